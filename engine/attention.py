@@ -1,0 +1,150 @@
+"""Attention over a paged KV cache for a flattened, variable-length batch.
+
+Every step writes the new tokens' K/V into their cache slots, then each query attends to
+its own sequence's keys. Sequences are put into *groups* that run as one padded
+``scaled_dot_product_attention`` call each:
+
+- a fresh prefill (nothing of the sequence in the cache yet) attends only to its own new
+  keys with a plain causal mask, without reading the cache back;
+- all short query runs (decode tokens, draft tokens to verify) share one padded group that
+  gathers each sequence's keys from the cache through its block table;
+- a long chunk that continues a prefill gets a group of its own, so its padding does not
+  multiply the cost of the short ones.
+
+This plain PyTorch path runs everywhere (CPU, tests) and is the reference for any faster path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# Query runs up to this long share one padded group; longer ones get their own.
+SHORT_QUERY_LIMIT = 32
+
+
+@dataclass(frozen=True)
+class SequenceSlice:
+    """One sequence's part of a step: what is already cached and what is new."""
+
+    num_cached: int  # tokens whose K/V were in the cache before this step
+    num_new: int  # tokens computed (and whose K/V are written) this step
+    block_table: Sequence[int]
+
+
+@dataclass
+class AttentionGroup:
+    query_index: torch.Tensor  # [b, q] rows of the flattened batch; padding repeats a row
+    kv_slots: torch.Tensor | None  # [b, L] cache slots to read; None: only this step's keys
+    mask: torch.Tensor | None  # [b, 1, q, L], True = attend; None: causal over new keys
+    valid: torch.Tensor | None  # [b * q] non-padding results; None: all are real
+    output_rows: torch.Tensor  # rows of the flattened output this group fills
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    groups: list[AttentionGroup]
+    scale: float
+
+
+def slots_for_positions(
+    block_table: Sequence[int], positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Map token positions of one sequence to flat cache slots through its block table."""
+    table = torch.tensor(block_table, dtype=torch.long)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def build_attention_metadata(
+    slices: Sequence[SequenceSlice], block_size: int, head_dim: int, device: torch.device
+) -> AttentionMetadata:
+    """Plan the attention of one step (slot writes and query groups) on the CPU."""
+    slot_parts, short, groups = [], [], []
+    row = 0
+    for s in slices:
+        positions = torch.arange(s.num_cached, s.num_cached + s.num_new)
+        slot_parts.append(slots_for_positions(s.block_table, positions, block_size))
+        rows = torch.arange(row, row + s.num_new)
+        if s.num_cached == 0 and s.num_new > 1:
+            groups.append(AttentionGroup(rows[None], None, None, None, rows))
+        elif s.num_new <= SHORT_QUERY_LIMIT:
+            short.append((s, rows))
+        else:
+            groups.append(_cached_group([(s, rows)], block_size))
+        row += s.num_new
+    if short:
+        groups.append(_cached_group(short, block_size))
+    slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long)
+    groups = [_to_device(g, device) for g in groups]
+    return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5)
+
+
+def _cached_group(members: list[tuple[SequenceSlice, torch.Tensor]], block_size: int):
+    """A padded group whose queries read their keys back from the cache."""
+    q_len = max(s.num_new for s, _ in members)
+    kv_len = max(s.num_cached + s.num_new for s, _ in members)
+    b = len(members)
+    query_index = torch.zeros(b, q_len, dtype=torch.long)
+    kv_slots = torch.zeros(b, kv_len, dtype=torch.long)
+    mask = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
+    valid = torch.zeros(b, q_len, dtype=torch.bool)
+    key_pos = torch.arange(kv_len)
+    for i, (s, rows) in enumerate(members):
+        n, total = s.num_new, s.num_cached + s.num_new
+        query_index[i, :n] = rows
+        query_index[i, n:] = rows[0]
+        kv_slots[i, :total] = slots_for_positions(s.block_table, key_pos[:total], block_size)
+        query_pos = torch.arange(s.num_cached, total)
+        mask[i, 0, :n] = key_pos[None, :] <= query_pos[:, None]
+        mask[i, 0, n:, 0] = True  # padding rows see one key so softmax stays finite
+        valid[i, :n] = True
+    output_rows = torch.cat([rows for _, rows in members])
+    all_valid = bool(valid.all())
+    return AttentionGroup(
+        query_index, kv_slots, mask, None if all_valid else valid.flatten(), output_rows
+    )
+
+
+def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
+    def move(t):
+        return None if t is None else t.to(device, non_blocking=True)
+
+    return AttentionGroup(
+        move(g.query_index), move(g.kv_slots), move(g.mask), move(g.valid), move(g.output_rows)
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    attn: AttentionMetadata,
+) -> torch.Tensor:
+    """Write k/v [T, KVH, D] into the cache and attend q [T, H, D]; returns [T, H, D]."""
+    k_cache, v_cache = kv_cache
+    k_cache.index_copy_(0, attn.slot_mapping, k)
+    v_cache.index_copy_(0, attn.slot_mapping, v)
+    out = torch.empty_like(q)
+    for g in attn.groups:
+        qg = q[g.query_index]
+        if g.kv_slots is None:
+            kg, vg = k[g.query_index], v[g.query_index]
+        else:
+            kg, vg = k_cache[g.kv_slots], v_cache[g.kv_slots]
+        o = F.scaled_dot_product_attention(
+            qg.transpose(1, 2),
+            kg.transpose(1, 2),
+            vg.transpose(1, 2),
+            attn_mask=g.mask,
+            is_causal=g.mask is None,
+            scale=attn.scale,
+            enable_gqa=True,
+        )
+        o = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+        out[g.output_rows] = o if g.valid is None else o[g.valid]
+    return out

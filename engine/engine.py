@@ -1,0 +1,233 @@
+"""The engine: requests in, one scheduled model step at a time, token outputs back."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import BlockManager, KVCache, bytes_per_block
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.models.llama import LlamaModel
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling import Sampler, SamplingParams, make_generator
+from engine.scheduler import ScheduledSequence, Scheduler
+from engine.sequence import Sequence
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class Engine:
+    """Continuous-batching engine over a paged KV cache.
+
+    ``add_request`` queues token ids with their sampling parameters, ``step`` runs one
+    scheduled forward pass and returns the requests that progressed, ``abort`` ends a
+    request at any time and frees its blocks.
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaModel, eos_token_ids: Iterable[int]):
+        self.config = config
+        self.model = model
+        arch = model.arch
+        self.max_model_len = min(
+            config.scheduler.max_model_len or arch.max_position_embeddings,
+            arch.max_position_embeddings,
+        )
+        kv = config.kv_cache
+        num_blocks = kv.num_blocks or max(
+            1,
+            int(kv.memory_gib * 2**30)
+            // bytes_per_block(
+                arch.num_layers, kv.block_size, arch.num_kv_heads, arch.head_dim, model_dtype(model)
+            ),
+        )
+        if num_blocks * kv.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * kv.block_size} tokens, less than "
+                f"max_model_len {self.max_model_len}: raise kv_cache size or lower max_model_len"
+            )
+        self.kv_cache = KVCache(
+            arch.num_layers, num_blocks, kv.block_size, arch.num_kv_heads, arch.head_dim,
+            model_dtype(model), config.device,
+        )
+        self.block_manager = BlockManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
+        sched = config.scheduler
+        self.scheduler = Scheduler(
+            self.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens
+        )
+        self.runner = ModelRunner(model, self.kv_cache, config.device)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """Queue a request; raises ValueError for input the engine cannot serve."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, params)
+        request = Request(request_id, list(prompt_token_ids), params)
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            seq = Sequence(
+                seq_id=f"{request_id}-{i}",
+                request_id=request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                sampling_params=params,
+                generator=make_generator(seed),
+                arrival_index=next(self._arrivals),
+            )
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        n = len(prompt_token_ids)
+        vocab = self.model.arch.vocab_size
+        if n == 0:
+            raise ValueError("prompt is empty: at least one token is required")
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens but the context length is {self.max_model_len}: "
+                "it leaves no room for a generated token"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
+                f"context length of {self.max_model_len} tokens"
+            )
+        params.validate_for_vocab(vocab)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is; returns its final output, or None if unknown."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        return self._output(request, {})
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled forward pass; returns the requests that got new tokens."""
+        scheduled = self.scheduler.schedule().scheduled
+        if not scheduled:
+            return []
+        completing = [s for s in scheduled if s.seq.num_uncomputed_tokens == s.num_new_tokens]
+        logits = self.runner.run([_forward_item(s) for s in scheduled])
+        for s in scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.block_manager.commit_full_blocks(s.seq)
+        rows = [s.seq for s in completing]
+        sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
+        new_tokens: dict[str, int] = {}
+        for seq, token in zip(rows, sampled, strict=True):
+            seq.append_token(token)
+            new_tokens[seq.seq_id] = 1
+            reason = self._finish_reason(seq, token.token_id)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+        progressed = {seq.request_id for seq in rows}
+        outputs = [self._output(self.requests[r], new_tokens) for r in sorted(progressed)]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, request: Request, new_tokens: dict[str, int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    index=i,
+                    token_ids=list(seq.output_token_ids),
+                    num_new_tokens=new_tokens.get(seq.seq_id, 0),
+                    finish_reason=seq.finish_reason,
+                    logprobs=list(seq.output_logprobs)
+                    if seq.sampling_params.logprobs is not None
+                    else None,
+                )
+                for i, seq in enumerate(request.seqs)
+            ],
+            num_cached_prompt_tokens=max(seq.num_prefix_hit_tokens for seq in request.seqs),
+        )
+
+
+def _forward_item(s: ScheduledSequence) -> ForwardItem:
+    seq, start = s.seq, s.seq.num_computed_tokens
+    completes = seq.num_uncomputed_tokens == s.num_new_tokens
+    return ForwardItem(
+        token_ids=seq.token_ids[start : start + s.num_new_tokens],
+        num_cached=start,
+        block_table=seq.block_table,
+        num_logits=1 if completes else 0,
+    )
+
+
+def model_dtype(model: LlamaModel) -> torch.dtype:
+    return model.embed_t.dtype
+
+
+def eos_token_ids_of(model_dir, hf_config) -> set[int]:
+    """EOS ids from generation_config.json and config.json (either may list several)."""
+    ids: set[int] = set()
+    try:
+        from transformers import GenerationConfig
+
+        ids |= _as_id_set(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass  # no generation_config.json
+    return ids | _as_id_set(getattr(hf_config, "eos_token_id", None))
+
+
+def _as_id_set(value) -> set[int]:
+    if value is None:
+        return set()
+    return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def create_engine(config: EngineConfig):
+    """Resolve the configured model (pulling the embedded default if needed), load it and
+    build the engine; returns (engine, model_dir)."""
+    from engine.models.loader import load_model
+    from engine.models.pull import resolve_model
+
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    model_dir = resolve_model(config.model)
+    # The rope table covers the model's full context; max_model_len only caps requests.
+    model, hf_config = load_model(model_dir, DTYPES[config.dtype], config.device, None)
+    return Engine(config, model, eos_token_ids_of(model_dir, hf_config)), model_dir

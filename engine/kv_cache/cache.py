@@ -1,0 +1,40 @@
+"""The K/V tensors themselves, sized from the config."""
+
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
+    element = torch.tensor([], dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+class KVCache:
+    """Per-layer (K, V) tensors of shape [num_blocks * block_size, num_kv_heads, head_dim].
+
+    A token's flat *slot* is ``block_id * block_size + offset``; attention writes and reads
+    through slots, so the block layout is invisible to the model beyond that mapping.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        self.storage = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()

@@ -1,0 +1,58 @@
+"""Runs the model once over all new tokens of all scheduled sequences.
+
+The runner flattens a step (prefill chunks, decode tokens and, for speculative decoders,
+draft tokens to verify) into one batch, plans attention over the block tables, and
+returns logits only for the rows that were asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import SequenceSlice, build_attention_metadata
+from engine.kv_cache import KVCache
+from engine.models.llama import LlamaModel
+
+
+@dataclass
+class ForwardItem:
+    """One sequence's share of a step."""
+
+    token_ids: Sequence[int]  # new tokens, at positions num_cached .. num_cached + len - 1
+    num_cached: int
+    block_table: Sequence[int]
+    num_logits: int  # logits for the last ``num_logits`` new tokens (0: a mid-prefill chunk)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, device: torch.device | str):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = torch.device(device)
+
+    @torch.inference_mode()
+    def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order."""
+        input_ids, positions, logits_rows, slices = [], [], [], []
+        row = 0
+        for item in items:
+            n = len(item.token_ids)
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.num_cached, item.num_cached + n))
+            logits_rows.extend(range(row + n - item.num_logits, row + n))
+            slices.append(SequenceSlice(item.num_cached, n, item.block_table))
+            row += n
+        attn = build_attention_metadata(
+            slices, self.kv_cache.block_size, self.model.arch.head_dim, self.device
+        )
+        out = self.model(
+            torch.tensor(input_ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_cache.layers,
+            attn,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+        return out.logits

@@ -1,0 +1,67 @@
+"""A sequence: one generated continuation of a request, and its place in the KV cache."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling import SampledToken, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens (prompt then output), cache position and per-sequence sampling state.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the cache; the tokens after
+    it are what the next step must compute (a prefill chunk, or the last sampled token).
+    """
+
+    seq_id: str
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    arrival_index: int  # admission order; newest is preempted first
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[SampledToken] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
+    token_ids: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, sampled: SampledToken) -> None:
+        self.token_ids.append(sampled.token_id)
+        self.output_token_ids.append(sampled.token_id)
+        if self.sampling_params.logprobs is not None:
+            self.output_logprobs.append(sampled)
