@@ -1,0 +1,131 @@
+"""Continuous batching, chunked prefill and preemption do not change what is generated."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.tiny_models import TINY_VOCAB
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    return [[(7 * i + 13 * n) % (TINY_VOCAB - 3) + 3 for i in range(n)] for n in lengths]
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_greedy_alone_equals_greedy_in_mixed_batch(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    batch = prompts(5, 37, 1, 90, 16, 64)
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in batch]
+    together = [o.token_ids for o in llm.generate(batch, GREEDY)]
+    assert together == alone
+    assert_all_blocks_free(llm)
+
+
+def test_chunked_prefill_and_preemption_give_identical_tokens(tiny_model_dir):
+    reference = LLM(model=str(tiny_model_dir))
+    batch = prompts(50, 33, 70, 12)
+    expected = [o.token_ids for o in reference.generate(batch, GREEDY)]
+    # 10 blocks of 16 tokens cannot hold four growing sequences (up to 110 tokens each):
+    # the newest must be preempted and recomputed; an 8-token budget chunks every prefill.
+    small = LLM(
+        model=str(tiny_model_dir),
+        kv_cache={"num_blocks": 10, "enable_prefix_caching": False},
+        scheduler={"max_num_batched_tokens": 8, "max_model_len": 160},
+    )
+    got = [o.token_ids for o in small.generate(batch, GREEDY)]
+    assert got == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(small)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=30, ignore_eos=True)
+    other = SamplingParams(temperature=0.8, max_tokens=25, ignore_eos=True)
+    target = prompts(20)[0]
+    alone = llm.generate([target], seeded)[0].token_ids
+    mixed = llm.generate(prompts(9, 44) + [target], [other, other, seeded])[2].token_ids
+    first = llm.generate([target] + prompts(3), [seeded, other])[0].token_ids
+    assert alone == mixed == first
+    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=30, ignore_eos=True)
+    assert llm.generate([target], different_seed)[0].token_ids != alone
+
+
+def test_n_continuations_share_the_prompt_and_differ(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    out = llm.generate(prompts(40), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20))[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) <= 20 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    assert_all_blocks_free(llm)
+
+
+def test_finish_reasons(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir), scheduler={"max_model_len": 64})
+    p = prompts(10)[0]
+    free_run = llm.generate([p], GREEDY)[0].token_ids
+    stop_at = free_run[5]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                           stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == free_run[: free_run.index(stop_at) + 1]
+    assert llm.generate([p], SamplingParams(temperature=0, max_tokens=7))[0].finish_reason == "length"
+    # max_tokens=None runs to the context length.
+    ctx = llm.generate([p], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert ctx.finish_reason == "length" and len(p) + len(ctx.token_ids) == 64
+
+
+def test_eos_ends_a_sequence_unless_ignored(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    p = prompts(10)[0]
+    eos = next(iter(llm.engine.eos_token_ids))
+    forced = SamplingParams(temperature=0, max_tokens=20, logit_bias={eos: 100.0})
+    out = llm.generate([p], forced)[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop"
+    ignored = SamplingParams(temperature=0, max_tokens=5, logit_bias={eos: 100.0}, ignore_eos=True)
+    out = llm.generate([p], ignored)[0]
+    assert out.token_ids == [eos] * 5 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("abort_after_steps", [0, 1, 6])
+def test_abort_at_any_time_frees_every_block(tiny_model_dir, abort_after_steps):
+    llm = LLM(model=str(tiny_model_dir), scheduler={"max_num_batched_tokens": 16})
+    engine = llm.engine
+    for i, p in enumerate(prompts(40, 8, 25)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=30, n=2, ignore_eos=True))
+    for _ in range(abort_after_steps):
+        engine.step()
+    final = engine.abort("r1")
+    assert final is not None and all(o.finish_reason == "abort" for o in final.outputs)
+    assert engine.abort("r1") is None
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_cache_hits_are_reused_and_counted(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    bm = llm.engine.block_manager
+    shared = prompts(70)[0]
+    first = llm.generate([shared + [5, 6]], GREEDY)[0]
+    assert first.num_cached_prompt_tokens == 0
+    hits_before = bm.stats.hits
+    second = llm.generate([shared + [9]], GREEDY)[0]
+    # 70 shared tokens = 4 full blocks of 16 reused.
+    assert second.num_cached_prompt_tokens == 64
+    assert bm.stats.hits - hits_before == 64
+    cold = LLM(model=str(tiny_model_dir), kv_cache={"enable_prefix_caching": False})
+    assert cold.generate([shared + [9]], GREEDY)[0].token_ids == second.token_ids
+    # Freed blocks stay cached with ref count 0 until they are handed out again.
+    assert bm.num_free_blocks == bm.num_blocks
+    assert any(b.hash is not None and b.ref_count == 0 for b in bm.blocks)

@@ -1,0 +1,38 @@
+"""Tiny random Llama-family checkpoints, written as real Hugging Face directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_VOCAB = 320
+
+
+def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a random checkpoint with ``save_pretrained``; returns its directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        eos_token_id=2,
+        bos_token_id=1,
+        tie_word_embeddings=True,
+        # A wide init gives logits with clear gaps, so float noise cannot flip an argmax.
+        initializer_range=0.15,
+    )
+    common.update(overrides)
+    torch.manual_seed(seed)
+    if model_type == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    model.save_pretrained(path)
+    return path
