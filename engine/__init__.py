@@ -1,9 +1,22 @@
-"""specserve's engine: model, paged KV cache, scheduler, sampler and the offline API."""
+"""specserve's engine: model, paged KV cache, scheduler, sampler and the offline API.
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import SamplingParams
+Exports resolve lazily so that light commands (``specserve pull``) do not import torch.
+"""
 
-__all__ = ["LLM", "CompletionOutput", "Engine", "EngineConfig", "RequestOutput", "SamplingParams"]
+import importlib
+
+_EXPORTS = {
+    "LLM": "engine.llm",
+    "SamplingParams": "engine.sampling",
+    "Engine": "engine.engine",
+    "EngineConfig": "engine.config",
+    "RequestOutput": "engine.outputs",
+    "CompletionOutput": "engine.outputs",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

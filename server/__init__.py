@@ -1,0 +1,1 @@
+"""specserve HTTP server, protocol models and the `specserve` command line."""
