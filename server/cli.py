@@ -13,6 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from server.cli_bench import add_bench_parser
+from server.cli_generate import add_generate_parser
+
 
 def _cmd_pull(args: argparse.Namespace) -> int:
     from engine.models.pull import DEFAULT_MODEL, resolve_model
@@ -47,9 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_pull_parser(subparsers)
-    # Further subcommands register here, one line each, e.g.:
-    #   add_generate_parser(subparsers)   (server/cli_generate.py)
-    #   add_bench_parser(subparsers)      (engine/bench.py)
+    add_generate_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 

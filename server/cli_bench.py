@@ -1,0 +1,29 @@
+"""``specserve bench``: benchmark commands (they print ratios measured in one run)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    from engine.bench import run_offline
+
+    run_offline(args.config, args.model, args.batch, args.max_tokens, args.prompt_len,
+                with_hf=not args.no_hf)
+    return 0
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks")
+    which = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    offline = which.add_parser(
+        "offline",
+        help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate()",
+    )
+    offline.add_argument("--config", default="configs/default.yaml")
+    offline.add_argument("--model")
+    offline.add_argument("--batch", type=int, default=16)
+    offline.add_argument("--max-tokens", type=int, default=128)
+    offline.add_argument("--prompt-len", type=int, default=512)
+    offline.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    offline.set_defaults(func=_cmd_bench_offline)

@@ -1,0 +1,73 @@
+"""``specserve generate``: stream one prompt's completion to the terminal (offline engine)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default="configs/default.yaml", help="engine config YAML")
+    p.add_argument("--model", help="model name, local HF directory, .gguf file or hub id")
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per SamplingParams field; unset flags keep SamplingParams' defaults."""
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repetition-penalty", type=float)
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--logit-bias", type=json.loads, help='JSON object, e.g. \'{"42": -100}\'')
+    p.add_argument("--seed", type=int)
+    p.add_argument("--min-tokens", type=int)
+    p.add_argument("--stop-token-ids", type=int, nargs="+")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+
+
+SAMPLING_FLAGS = (
+    "max_tokens temperature top_p top_k min_p repetition_penalty presence_penalty "
+    "frequency_penalty logit_bias seed min_tokens stop_token_ids ignore_eos"
+).split()
+
+
+def sampling_params_from_args(args: argparse.Namespace):
+    from engine.sampling import SamplingParams
+
+    given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
+    return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+
+def build_llm(args: argparse.Namespace):
+    from engine import LLM
+
+    return LLM(model=args.model, config=args.config)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params_from_args(args)  # bad flags fail before the model loads
+    llm = build_llm(args)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.render_chat([{"role": "user", "content": args.prompt}])
+    for text in llm.stream(prompt, params):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "generate",
+        help="generate text for one prompt with the offline engine, streamed to stdout",
+    )
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user chat message")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(func=_cmd_generate)
