@@ -17,10 +17,22 @@ from engine.llm import LLM
 from engine.sampling import SamplingParams
 
 TOPICS = [
-    "a robot who learns to paint", "the history of tea", "how rain forms", "a lighthouse keeper",
-    "why the sky is blue", "a trip to Mars", "the rules of chess", "a city under the sea",
-    "how bread rises", "a talking cat", "the first computers", "a winter festival",
-    "how bees make honey", "a lost map", "the speed of light", "a garden on a rooftop",
+    "a robot who learns to paint",
+    "the history of tea",
+    "how rain forms",
+    "a lighthouse keeper",
+    "why the sky is blue",
+    "a trip to Mars",
+    "the rules of chess",
+    "a city under the sea",
+    "how bread rises",
+    "a talking cat",
+    "the first computers",
+    "a winter festival",
+    "how bees make honey",
+    "a lost map",
+    "the speed of light",
+    "a garden on a rooftop",
 ]
 
 
@@ -125,17 +137,22 @@ def hf_baseline(llm: LLM, prompts, max_tokens: int, prompt_len: int) -> list[flo
     ]
 
 
-def run_offline(config: str, model: str | None, batch: int, max_tokens: int,
-                prompt_len: int, with_hf: bool) -> None:
+def run_offline(
+    config: str, model: str | None, batch: int, max_tokens: int, prompt_len: int, with_hf: bool
+) -> None:
     llm = LLM(model=model, config=config)
     arch = llm.engine.model.arch
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
-    print(f"model {llm.model_dir} ({arch.num_layers} layers, {weight_bytes / 1e6:.0f} MB weights, "
-          f"{llm.config.dtype}), torch threads {torch.get_num_threads()}")
+    weight_bytes = llm.engine.model.weight_bytes_per_token
+    print(
+        f"model {llm.model_dir} ({arch.num_layers} layers, {weight_bytes / 1e6:.0f} MB weights, "
+        f"{llm.config.dtype}), torch threads {torch.get_num_threads()}"
+    )
     bandwidth = measure_read_bandwidth()
     floor_tps = bandwidth / weight_bytes
-    print(f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s -> decode floor "
-          f"{1e3 / floor_tps:.1f} ms/token = {floor_tps:.1f} tokens/s at batch 1")
+    print(
+        f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s -> decode floor "
+        f"{1e3 / floor_tps:.1f} ms/token = {floor_tps:.1f} tokens/s at batch 1"
+    )
     prompts = chat_prompts(llm, batch)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     ours_1 = ours_decode(llm, prompts[:1], max_tokens)
@@ -143,8 +160,11 @@ def run_offline(config: str, model: str | None, batch: int, max_tokens: int,
     ttft = ours_ttft(llm, long_prompt(llm, prompt_len))
     ours = [ours_1, ours_n, ttft]
     theirs = hf_baseline(llm, prompts, max_tokens, prompt_len) if with_hf else None
-    names = ["decode tok/s, batch 1", f"decode tok/s, batch {batch}",
-             f"TTFT s, {prompt_len}-token prompt"]
+    names = [
+        "decode tok/s, batch 1",
+        f"decode tok/s, batch {batch}",
+        f"TTFT s, {prompt_len}-token prompt",
+    ]
     print("\n| metric | specserve | transformers generate() | ratio |\n|---|---|---|---|")
     for i, name in enumerate(names):
         if theirs is None:
@@ -153,5 +173,7 @@ def run_offline(config: str, model: str | None, batch: int, max_tokens: int,
         # Higher is better for tokens/s, lower for TTFT: the ratio is always "times better".
         ratio = theirs[i] / ours[i] if i == 2 else ours[i] / theirs[i]
         print(f"| {name} | {ours[i]:.3f} | {theirs[i]:.3f} | {ratio:.2f}x |")
-    print(f"\nbatch-1 decode = {ours_1 / floor_tps:.0%} of the bandwidth floor; "
-          f"batch {batch} = {ours_n / ours_1:.1f}x batch-1 tokens/s")
+    print(
+        f"\nbatch-1 decode = {ours_1 / floor_tps:.0%} of the bandwidth floor; "
+        f"batch {batch} = {ours_n / ours_1:.1f}x batch-1 tokens/s"
+    )

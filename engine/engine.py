@@ -49,7 +49,7 @@ class Engine:
             1,
             int(kv.memory_gib * 2**30)
             // bytes_per_block(
-                arch.num_layers, kv.block_size, arch.num_kv_heads, arch.head_dim, model_dtype(model)
+                arch.num_layers, kv.block_size, arch.num_kv_heads, arch.head_dim, model.dtype
             ),
         )
         if num_blocks * kv.block_size < self.max_model_len:
@@ -58,8 +58,13 @@ class Engine:
                 f"max_model_len {self.max_model_len}: raise kv_cache size or lower max_model_len"
             )
         self.kv_cache = KVCache(
-            arch.num_layers, num_blocks, kv.block_size, arch.num_kv_heads, arch.head_dim,
-            model_dtype(model), config.device,
+            arch.num_layers,
+            num_blocks,
+            kv.block_size,
+            arch.num_kv_heads,
+            arch.head_dim,
+            model.dtype,
+            config.device,
         )
         self.block_manager = BlockManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
         sched = config.scheduler
@@ -195,10 +200,6 @@ def _forward_item(s: ScheduledSequence) -> ForwardItem:
         block_table=seq.block_table,
         num_logits=1 if completes else 0,
     )
-
-
-def model_dtype(model: LlamaModel) -> torch.dtype:
-    return model.embed_t.dtype
 
 
 def eos_token_ids_of(model_dir, hf_config) -> set[int]:

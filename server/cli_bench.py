@@ -8,8 +8,14 @@ import argparse
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     from engine.bench import run_offline
 
-    run_offline(args.config, args.model, args.batch, args.max_tokens, args.prompt_len,
-                with_hf=not args.no_hf)
+    run_offline(
+        args.config,
+        args.model,
+        args.batch,
+        args.max_tokens,
+        args.prompt_len,
+        with_hf=not args.no_hf,
+    )
     return 0
 
 

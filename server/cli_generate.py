@@ -22,7 +22,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--presence-penalty", type=float)
     p.add_argument("--frequency-penalty", type=float)
-    p.add_argument("--logit-bias", type=json.loads, help='JSON object, e.g. \'{"42": -100}\'')
+    p.add_argument("--logit-bias", type=json.loads, help="JSON object, e.g. '{\"42\": -100}'")
     p.add_argument("--seed", type=int)
     p.add_argument("--min-tokens", type=int)
     p.add_argument("--stop-token-ids", type=int, nargs="+")

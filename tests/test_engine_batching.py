@@ -57,7 +57,9 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_model_di
     mixed = llm.generate(prompts(9, 44) + [target], [other, other, seeded])[2].token_ids
     first = llm.generate([target] + prompts(3), [seeded, other])[0].token_ids
     assert alone == mixed == first
-    different_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=30, ignore_eos=True)
+    different_seed = SamplingParams(
+        temperature=1.0, top_p=0.9, seed=99, max_tokens=30, ignore_eos=True
+    )
     assert llm.generate([target], different_seed)[0].token_ids != alone
 
 
@@ -75,11 +77,14 @@ def test_finish_reasons(tiny_model_dir):
     p = prompts(10)[0]
     free_run = llm.generate([p], GREEDY)[0].token_ids
     stop_at = free_run[5]
-    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
-                                           stop_token_ids=[stop_at]))[0]
+    out = llm.generate(
+        [p], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_at])
+    )[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == free_run[: free_run.index(stop_at) + 1]
-    assert llm.generate([p], SamplingParams(temperature=0, max_tokens=7))[0].finish_reason == "length"
+    assert (
+        llm.generate([p], SamplingParams(temperature=0, max_tokens=7))[0].finish_reason == "length"
+    )
     # max_tokens=None runs to the context length.
     ctx = llm.generate([p], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert ctx.finish_reason == "length" and len(p) + len(ctx.token_ids) == 64

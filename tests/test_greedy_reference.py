@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -27,9 +27,11 @@ def test_llm_greedy_matches_transformers_generate(smollm2_llm):
         prompt = llm.render_chat(conversation)
         with torch.inference_mode():
             ref = hf.generate(
-                torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                torch.tensor([prompt]),
+                do_sample=False,
+                max_new_tokens=MAX_TOKENS,
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            )[0, len(prompt):].tolist()
+            )[0, len(prompt) :].tolist()
         assert out.token_ids == ref
         assert len(out.token_ids) >= 64, "prompt should elicit a long answer"
         assert out.finish_reason == "length"

@@ -20,8 +20,12 @@ def chunked_forward(model, token_ids: torch.Tensor, chunks: list[int]) -> torch.
     outs, done = [], 0
     with torch.inference_mode():
         for n in chunks:
-            meta = build_attention_metadata([SequenceSlice(done, n, block_table)], 16, a.head_dim, "cpu")
-            out = model(token_ids[done : done + n], torch.arange(done, done + n), cache.layers, meta)
+            meta = build_attention_metadata(
+                [SequenceSlice(done, n, block_table)], 16, a.head_dim, "cpu"
+            )
+            out = model(
+                token_ids[done : done + n], torch.arange(done, done + n), cache.layers, meta
+            )
             outs.append(out.logits)
             done += n
     return torch.cat(outs)
@@ -38,8 +42,18 @@ def reference_logits(model_dir, token_ids: torch.Tensor) -> torch.Tensor:
     [
         ("llama", {}),
         ("llama", {"tie_word_embeddings": False, "num_key_value_heads": 4}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
         ("llama", {"rope_theta": 500.0, "head_dim": 32}),
         ("qwen2", {}),  # q/k/v biases
     ],
@@ -64,11 +78,19 @@ def test_layer_subset_and_hidden_states(tmp_path):
     cache = KVCache(a.num_layers, 8, 16, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
     meta = build_attention_metadata([SequenceSlice(0, 10, [0])], 16, a.head_dim, "cpu")
     with torch.inference_mode():
-        out = ours(token_ids, torch.arange(10), cache.layers, meta, hidden_layer=1,
-                   logits_indices=torch.tensor([9]))
+        out = ours(
+            token_ids,
+            torch.arange(10),
+            cache.layers,
+            meta,
+            hidden_layer=1,
+            logits_indices=torch.tensor([9]),
+        )
         ref = hf(token_ids[None], output_hidden_states=True)
         # hidden_states[i + 1] is the output of layer i in transformers.
-        torch.testing.assert_close(out.hidden_states, ref.hidden_states[2][0, 9:], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            out.hidden_states, ref.hidden_states[2][0, 9:], rtol=1e-4, atol=1e-4
+        )
         assert out.logits.shape == (1, TINY_VOCAB)
         skipped = ours(token_ids, torch.arange(10), cache.layers, meta, layer_ids=[0, 2])
         assert not torch.allclose(skipped.logits[-1], out.logits[0], atol=1e-3)

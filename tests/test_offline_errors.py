@@ -21,8 +21,13 @@ def llm(tiny_model_dir):
         ([5, 100000], SamplingParams(), "prompt token ids must be in [0, 320)"),
         ([5], SamplingParams(stop_token_ids=[320]), "stop_token_ids"),
     ],
-    ids=["empty", "longer-than-context", "prompt-plus-max-tokens", "token-out-of-vocab",
-         "stop-token-out-of-vocab"],
+    ids=[
+        "empty",
+        "longer-than-context",
+        "prompt-plus-max-tokens",
+        "token-out-of-vocab",
+        "stop-token-out-of-vocab",
+    ],
 )
 def test_bad_prompt_raises_and_engine_stays_clean(llm, prompt, params, message):
     with pytest.raises(ValueError) as excinfo:

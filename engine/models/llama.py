@@ -6,9 +6,8 @@ variable-length batch: ``input_ids`` and ``positions`` are 1-D over all tokens o
 sequences, and attention finds each sequence's keys through the block tables in
 ``AttentionMetadata``.
 
-Weights of every projection are stored transposed (``[in, out]``) and applied as ``x @ w``:
-on the CPU BLAS we measured, a one-row product against the transposed layout reads the
-weights about 1.7x faster than ``F.linear`` against ``[out, in]`` (docs/benchmarks.md).
+Projections are ``engine.models.linear.Linear`` layers, prepacked for oneDNN on the CPU
+(see that module for why).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.linear import Linear
 from engine.models.rope import RotaryEmbedding
 
 
@@ -71,22 +71,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class DecoderLayer(nn.Module):
     """Attention and SwiGLU MLP with fused q/k/v and gate/up projections."""
 
-    def __init__(self, arch: ModelArchitecture, layer_index: int):
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        input_norm: torch.Tensor,
+        qkv: Linear,
+        o: Linear,
+        post_attention_norm: torch.Tensor,
+        gate_up: Linear,
+        down: Linear,
+    ):
         super().__init__()
         self.arch = arch
-        self.layer_index = layer_index
-        h, d = arch.hidden_size, arch.head_dim
-        self.q_size = arch.num_heads * d
-        self.kv_size = arch.num_kv_heads * d
-        self.input_norm = nn.Parameter(torch.ones(h))
-        self.qkv_t = nn.Parameter(torch.empty(h, self.q_size + 2 * self.kv_size))
-        self.qkv_bias = (
-            nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size)) if arch.qkv_bias else None
-        )
-        self.o_t = nn.Parameter(torch.empty(self.q_size, h))
-        self.post_attention_norm = nn.Parameter(torch.ones(h))
-        self.gate_up_t = nn.Parameter(torch.empty(h, 2 * arch.intermediate_size))
-        self.down_t = nn.Parameter(torch.empty(arch.intermediate_size, h))
+        self.q_size = arch.num_heads * arch.head_dim
+        self.kv_size = arch.num_kv_heads * arch.head_dim
+        self.input_norm = input_norm
+        self.qkv = qkv  # q, k and v fused: one product instead of three
+        self.o = o
+        self.post_attention_norm = post_attention_norm
+        self.gate_up = gate_up  # gate and up fused
+        self.down = down
 
     def forward(
         self,
@@ -98,19 +102,16 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         arch = self.arch
         x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
-        qkv = x @ self.qkv_t
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, arch.num_heads, arch.head_dim)
         k = k.view(-1, arch.num_kv_heads, arch.head_dim)
         v = v.view(-1, arch.num_kv_heads, arch.head_dim)
         q, k = rope.apply(q, k, positions)
         out = paged_attention(q, k, v, kv_cache, attn)
-        hidden = hidden + out.reshape(-1, self.q_size) @ self.o_t
+        hidden = hidden + self.o(out.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_attention_norm, arch.rms_norm_eps)
-        gate, up = (x @ self.gate_up_t).chunk(2, dim=-1)
-        return hidden + (F.silu(gate) * up) @ self.down_t
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 @dataclass
@@ -122,29 +123,42 @@ class ModelOutput:
 class LlamaModel(nn.Module):
     """The whole decoder, exposed in pieces (embed, layers, head) for speculative decoders."""
 
-    def __init__(self, arch: ModelArchitecture, rope: RotaryEmbedding):
+    def __init__(
+        self,
+        arch: ModelArchitecture,
+        rope: RotaryEmbedding,
+        embed_tokens: torch.Tensor,
+        layers: Sequence[DecoderLayer],
+        final_norm: torch.Tensor,
+        lm_head: Linear,
+    ):
         super().__init__()
         self.arch = arch
         self.rope = rope
-        # Stored transposed ([hidden, vocab]); with tied embeddings the same tensor serves
-        # the embedding lookup (a column gather) and the LM head.
-        self.embed_t = nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.final_norm = nn.Parameter(torch.ones(arch.hidden_size))
-        self.lm_head_t = (
-            None
-            if arch.tie_word_embeddings
-            else nn.Parameter(torch.empty(arch.hidden_size, arch.vocab_size))
-        )
+        # With tied embeddings the LM head holds its own (packed) copy of this table: the
+        # lookup wants rows, the product wants oneDNN's layout.
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.dtype
+
+    @property
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights one decode step reads: every projection and the LM head."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        return sum(m.nbytes for m in linears)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_t.index_select(1, input_ids).t()
+        return self.embed_tokens.index_select(0, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; logits are returned in float32."""
         x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
-        head = self.embed_t if self.lm_head_t is None else self.lm_head_t
-        return (x @ head).float()
+        return self.lm_head(x).float()
 
     def forward(
         self,

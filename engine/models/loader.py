@@ -1,7 +1,7 @@
 """Load a Hugging Face Llama-family checkpoint (a local directory) into ``LlamaModel``.
 
 transformers supplies the config; tensors are read with safetensors and re-laid-out once
-at load time (q/k/v and gate/up fused, every projection transposed).
+at load time (q/k/v and gate/up fused, projections prepacked where that is faster).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.models.llama import LlamaModel, ModelArchitecture
+from engine.models.linear import Linear
+from engine.models.llama import DecoderLayer, LlamaModel, ModelArchitecture
 from engine.models.rope import RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
@@ -74,34 +75,39 @@ def build_model(
     """Build from an HF config and its state dict (also used by tests on random models)."""
     arch = ModelArchitecture.from_hf_config(config)
     rope = RotaryEmbedding(config, arch.head_dim, max_positions, dtype, device)
-    with torch.device("meta"):
-        model = LlamaModel(arch, rope)
     get = _tensor_getter(state_dict, dtype, device)
+    pack = str(device).startswith("cpu")
 
-    def t(name: str) -> torch.Tensor:  # [out, in] -> [in, out], contiguous
-        return get(name).t().contiguous()
+    def linear(*prefixes: str, bias: bool = False) -> Linear:
+        """One projection from the named [out, in] weights, fused in the given order."""
+        weight = torch.cat([get(p + ".weight") for p in prefixes])
+        b = torch.cat([get(p + ".bias") for p in prefixes]) if bias else None
+        return Linear(weight, b, pack=pack)
 
-    params: dict[str, torch.Tensor] = {
-        "embed_t": t("model.embed_tokens.weight"),
-        "final_norm": get("model.norm.weight"),
-    }
-    if not arch.tie_word_embeddings:
-        params["lm_head_t"] = t("lm_head.weight")
+    layers = []
     for i in range(arch.num_layers):
-        p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        params[f"layers.{i}.input_norm"] = get(p + "input_layernorm.weight")
-        params[f"layers.{i}.post_attention_norm"] = get(p + "post_attention_layernorm.weight")
-        qkv = [get(f"{attn}{n}_proj.weight") for n in "qkv"]
-        params[f"layers.{i}.qkv_t"] = torch.cat(qkv).t().contiguous()
-        if arch.qkv_bias:
-            params[f"layers.{i}.qkv_bias"] = torch.cat([get(f"{attn}{n}_proj.bias") for n in "qkv"])
-        params[f"layers.{i}.o_t"] = t(attn + "o_proj.weight")
-        gate_up = [get(mlp + "gate_proj.weight"), get(mlp + "up_proj.weight")]
-        params[f"layers.{i}.gate_up_t"] = torch.cat(gate_up).t().contiguous()
-        params[f"layers.{i}.down_t"] = t(mlp + "down_proj.weight")
-    model.load_state_dict(params, strict=True, assign=True)
-    return model.eval().requires_grad_(False)
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        layers.append(
+            DecoderLayer(
+                arch,
+                input_norm=get(f"model.layers.{i}.input_layernorm.weight"),
+                qkv=linear(attn + "q_proj", attn + "k_proj", attn + "v_proj", bias=arch.qkv_bias),
+                o=linear(attn + "o_proj"),
+                post_attention_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
+                gate_up=linear(mlp + "gate_proj", mlp + "up_proj"),
+                down=linear(mlp + "down_proj"),
+            )
+        )
+    head = "model.embed_tokens" if arch.tie_word_embeddings else "lm_head"
+    model = LlamaModel(
+        arch,
+        rope,
+        embed_tokens=get("model.embed_tokens.weight"),
+        layers=layers,
+        final_norm=get("model.norm.weight"),
+        lm_head=linear(head),
+    )
+    return model.eval()
 
 
 def _tensor_getter(

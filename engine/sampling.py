@@ -1,0 +1,411 @@
+"""Sampling parameters, batched logits processing and the token sampler.
+
+`process_logits` turns raw model logits into the distribution a request asked for (vLLM order:
+min_tokens, logit bias, penalties, temperature, top-k, top-p, min-p). `Sampler` picks one token per
+row from it, drawing from each row's own generator so that seeded requests are reproducible
+whatever else shares the batch. A rejection sampler reuses `process_logits` and `probabilities`.
+"""
+
+import numbers
+import secrets
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from engine.logits_processing import (
+    NEG_INF,
+    apply_count_penalties_,
+    apply_min_p_,
+    apply_repetition_penalty_,
+    apply_temperature_,
+    apply_top_k_,
+    apply_top_p_,
+    probabilities,
+    sample_from_probabilities,
+)
+
+__all__ = [
+    "SampledToken",
+    "Sampler",
+    "SamplingParams",
+    "SamplingRow",
+    "draw_uniforms",
+    "make_generator",
+    "probabilities",
+    "process_logits",
+    "sample_from_probabilities",
+]
+
+MAX_LOGPROBS = 20
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _require(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_token_id(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _parse_token_id(key: Any) -> int | None:
+    """Token id from a logit_bias key; OpenAI clients send JSON object keys, i.e. strings."""
+    if isinstance(key, str):
+        try:
+            key = int(key)
+        except ValueError:
+            return None
+    return int(key) if _is_token_id(key) else None
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request, with OpenAI/vLLM semantics and defaults.
+
+    Invalid values raise `ValueError` naming the parameter and its valid range. `top_k=-1` is
+    normalised to 0 (disabled); `logit_bias` string keys are converted to int token ids.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = list(self.stop_token_ids)  # a private copy the caller cannot mutate
+        # Types first, so that a wrong type reads as a ValueError naming the field rather than
+        # as a TypeError from a comparison.
+        self._check_types()
+        self._check_ranges()
+        if self.top_k == -1:
+            self.top_k = 0
+        self.logit_bias = self._normalised_logit_bias()
+
+    def _check_types(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            _require(_is_int(getattr(self, name)), name, "an integer", getattr(self, name))
+        for name in ("seed", "max_tokens", "logprobs"):
+            value = getattr(self, name)
+            _require(value is None or _is_int(value), name, "None or an integer", value)
+        for name in _FLOAT_FIELDS:
+            _require(_is_number(getattr(self, name)), name, "a number", getattr(self, name))
+
+    def _check_ranges(self) -> None:
+        max_tokens, logprobs = self.max_tokens, self.logprobs
+        # (parameter, valid?, rule); the comparisons are written so that NaN fails them.
+        ranges = [
+            ("n", self.n >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= -1, "-1 or 0 (disabled) or >= 1"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("max_tokens", max_tokens is None or max_tokens >= 1, "None or >= 1"),
+            ("min_tokens", self.min_tokens >= 0, ">= 0"),
+            (
+                "min_tokens",
+                max_tokens is None or self.min_tokens <= max_tokens,
+                f"<= max_tokens ({max_tokens})",
+            ),
+            (
+                "logprobs",
+                logprobs is None or 0 <= logprobs <= MAX_LOGPROBS,
+                f"None or in [0, {MAX_LOGPROBS}]",
+            ),
+            ("stop_token_ids", all(map(_is_token_id, self.stop_token_ids)), "ints >= 0"),
+        ]
+        for name, ok, rule in ranges:
+            _require(ok, name, rule, getattr(self, name))
+
+    def _normalised_logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            token_id = _parse_token_id(key)
+            _require(token_id is not None, "logit_bias keys", "token ids (ints >= 0)", key)
+            ok = _is_number(value) and -100 <= value <= 100
+            _require(ok, "logit_bias values", "numbers in [-100, 100]", value)
+            bias[token_id] = float(value)
+        return bias
+
+    @property
+    def greedy(self) -> bool:
+        """True when the request wants the argmax token (temperature 0)."""
+        return self.temperature == 0
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise `ValueError` if a logit_bias key or stop token id is not below `vocab_size`."""
+        rule = f"< vocab size {vocab_size}"
+        for token_id in self.logit_bias or {}:
+            _require(token_id < vocab_size, "logit_bias keys", rule, token_id)
+        for token_id in self.stop_token_ids:
+            _require(token_id < vocab_size, "stop_token_ids", rule, token_id)
+
+
+class SamplingRow(Protocol):
+    """One row of logits to sample: a request's parameters and the tokens it has so far.
+
+    A speculative decoder passes one row per draft position of the same request, each with a
+    different hypothetical `output_token_ids`, so nothing may be cached per request object.
+    """
+
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+def _masks_min_tokens(row: SamplingRow) -> bool:
+    return len(row.output_token_ids) < row.sampling_params.min_tokens
+
+
+def _filters(params: SamplingParams) -> bool:
+    # Temperature and the truncations cannot change the argmax, so greedy rows skip them.
+    return not params.greedy and (
+        params.temperature != 1 or params.top_k > 0 or params.top_p < 1 or params.min_p > 0
+    )
+
+
+def _needs_processing(row: SamplingRow) -> bool:
+    params = row.sampling_params
+    return (
+        _masks_min_tokens(row)
+        or bool(params.logit_bias)
+        or params.repetition_penalty != 1
+        or params.presence_penalty != 0
+        or params.frequency_penalty != 0
+        or _filters(params)
+    )
+
+
+def process_logits(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Collection[int]
+) -> torch.Tensor:
+    """Apply every row's sampling parameters to its `[V]` row of `logits` (`[B, V]`, float).
+
+    Returns a new tensor and never writes to `logits`. When no row uses any feature (all-default
+    parameters, or greedy rows without bias, penalties or min_tokens) it returns `logits` itself
+    without copying, so callers must treat the result as read-only as well.
+    """
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"got {logits.shape[0]} rows of logits for {len(rows)} sampling rows")
+    if not any(_needs_processing(row) for row in rows):
+        return logits
+    # Contiguous, because the penalty kernels index the flattened logits.
+    out = logits.clone(memory_format=torch.contiguous_format)
+    _mask_stops_before_min_tokens(out, rows, eos_token_ids)
+    _add_logit_bias(out, rows)
+    _apply_penalties(out, rows)
+    _apply_temperature_and_filters(out, rows)
+    return out
+
+
+def _mask_stops_before_min_tokens(
+    out: torch.Tensor, rows: Sequence[SamplingRow], eos_token_ids: Collection[int]
+) -> None:
+    vocab_size = out.shape[-1]
+    row_ids, token_ids = [], []
+    for i, row in enumerate(rows):
+        if not _masks_min_tokens(row):
+            continue
+        params = row.sampling_params
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(eos_token_ids)
+        stops = [t for t in stops if t < vocab_size]
+        row_ids += [i] * len(stops)
+        token_ids += stops
+    if row_ids:
+        device = out.device
+        out[torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device)] = NEG_INF
+
+
+def _add_logit_bias(out: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_ids, token_ids, biases = [], [], []
+    for i, row in enumerate(rows):
+        bias = row.sampling_params.logit_bias or {}
+        row_ids += [i] * len(bias)
+        token_ids += bias.keys()
+        biases += bias.values()
+    if row_ids:
+        device = out.device
+        index = (torch.tensor(row_ids, device=device), torch.tensor(token_ids, device=device))
+        values = torch.tensor(biases, dtype=out.dtype, device=device)
+        out.index_put_(index, values, accumulate=True)
+
+
+def _row_values(
+    rows: Sequence[SamplingRow], picked: list[int], name: str, **tensor_kwargs: Any
+) -> torch.Tensor:
+    """The parameter `name` of each picked row, as a 1-D tensor."""
+    values = [getattr(rows[i].sampling_params, name) for i in picked]
+    return torch.tensor(values, **tensor_kwargs)
+
+
+def _apply_penalties(out: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    repeat = [i for i, row in enumerate(rows) if row.sampling_params.repetition_penalty != 1]
+    if repeat:
+        # Repetition penalty looks at prompt and output; the OpenAI penalties at output only.
+        seen = [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in repeat]
+        penalties = [rows[i].sampling_params.repetition_penalty for i in repeat]
+        apply_repetition_penalty_(out, repeat, seen, penalties)
+
+    additive = [
+        i
+        for i, row in enumerate(rows)
+        if row.sampling_params.presence_penalty != 0 or row.sampling_params.frequency_penalty != 0
+    ]
+    if additive:
+        apply_count_penalties_(
+            out,
+            additive,
+            [rows[i].output_token_ids for i in additive],
+            [rows[i].sampling_params.frequency_penalty for i in additive],
+            [rows[i].sampling_params.presence_penalty for i in additive],
+        )
+
+
+def _apply_temperature_and_filters(out: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    vocab_size = out.shape[-1]
+    sampled = [i for i, row in enumerate(rows) if _filters(row.sampling_params)]
+    # (parameter, kernel, dtype of its per-row values, whether a row uses it), in vLLM's order.
+    steps = [
+        ("temperature", apply_temperature_, out.dtype, lambda p: p.temperature != 1),
+        ("top_k", apply_top_k_, torch.long, lambda p: 0 < p.top_k < vocab_size),
+        ("top_p", apply_top_p_, out.dtype, lambda p: p.top_p < 1),
+        ("min_p", apply_min_p_, out.dtype, lambda p: p.min_p > 0),
+    ]
+    for name, kernel, dtype, used in steps:
+        picked = [i for i in sampled if used(rows[i].sampling_params)]
+        if not picked:
+            continue
+        values = _row_values(rows, picked, name, dtype=dtype, device=out.device)
+        if len(picked) == len(rows):  # common: every row; no gather and scatter back
+            kernel(out, values)
+        else:
+            subset = out[picked]
+            kernel(subset, values)
+            out[picked] = subset
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    """A CPU generator seeded with `seed` (any int), or with fresh OS entropy when None."""
+    if seed is None:
+        seed = secrets.randbits(64)
+    generator = torch.Generator(device="cpu")
+    # manual_seed only accepts 64-bit values; reduce so any Python int (even negative) works.
+    generator.manual_seed(seed % 2**64)
+    return generator
+
+
+_default_generator = make_generator(None)
+
+
+def draw_uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, each from that row's own generator."""
+    draws = [
+        torch.rand(1, generator=g or _default_generator, dtype=torch.float64) for g in generators
+    ]
+    return torch.cat(draws) if draws else torch.empty(0, dtype=torch.float64)
+
+
+@dataclass
+class SampledToken:
+    """A chosen token; logprobs are of the raw model distribution, None when not requested."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    """Turns one row of model logits per sequence into one token per sequence."""
+
+    def __init__(self, eos_token_ids: Collection[int]):
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[SampledToken]:
+        """Process `logits` (`[B, V]`) for each row and pick a token per row.
+
+        Greedy rows take the argmax; the others sample with one uniform draw from their own
+        generator (None: a shared module-level one), so a seeded row's tokens do not depend on
+        the rest of the batch.
+        """
+        if len(generators) != len(rows):
+            raise ValueError(f"got {len(generators)} generators for {len(rows)} rows")
+        if not rows:
+            return []
+        processed = process_logits(logits, rows, self.eos_token_ids)
+        sampled = [i for i, row in enumerate(rows) if not row.sampling_params.greedy]
+        if len(sampled) == len(rows):  # the common all-sampled batch: skip argmax and a copy
+            uniforms = draw_uniforms(generators)
+            token_ids = sample_from_probabilities(probabilities(processed), uniforms)
+        else:
+            token_ids = processed.argmax(dim=-1)
+            if sampled:
+                probs = probabilities(processed[sampled])
+                uniforms = draw_uniforms([generators[i] for i in sampled])
+                token_ids[sampled] = sample_from_probabilities(probs, uniforms)
+        return self._with_logprobs(logits, rows, token_ids)
+
+    @staticmethod
+    def _with_logprobs(
+        logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+    ) -> list[SampledToken]:
+        results = [SampledToken(token_id) for token_id in token_ids.tolist()]
+        wanted = [i for i, row in enumerate(rows) if row.sampling_params.logprobs is not None]
+        if not wanted:
+            return results
+        # vLLM's default: logprobs of the raw model distribution, before any processing.
+        logprobs = torch.log_softmax(logits[wanted].float(), dim=-1)
+        chosen = logprobs.gather(-1, token_ids[wanted].unsqueeze(-1)).squeeze(-1).tolist()
+        top_count = min(max(rows[i].sampling_params.logprobs for i in wanted), logits.shape[-1])
+        top_values, top_ids = logprobs.topk(top_count, dim=-1) if top_count else (None, None)
+        for j, i in enumerate(wanted):
+            count = rows[i].sampling_params.logprobs
+            results[i].logprob = chosen[j]
+            results[i].top_logprobs = (
+                list(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist(), strict=True))
+                if count
+                else []
+            )
+        return results
