@@ -42,6 +42,9 @@ class AttentionGroup:
     mask: torch.Tensor | None  # [b, 1, q, L], True = attend; None: causal over new keys
     valid: torch.Tensor | None  # [b * q] non-padding results; None: all are real
     output_rows: torch.Tensor  # rows of the flattened output this group fills
+    # The only group, its queries the whole batch in order (all decode, or one prefill):
+    # q and the output are then reshaped, not gathered and scattered.
+    whole_batch: bool = False
 
 
 @dataclass
@@ -78,6 +81,9 @@ def build_attention_metadata(
         row += s.num_new
     if short:
         groups.append(_cached_group(short, block_size))
+    if len(groups) == 1 and groups[0].valid is None:
+        g = groups[0]
+        g.whole_batch = torch.equal(g.query_index.flatten(), torch.arange(row))
     slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long)
     groups = [_to_device(g, device) for g in groups]
     return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5)
@@ -114,7 +120,12 @@ def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
         return None if t is None else t.to(device, non_blocking=True)
 
     return AttentionGroup(
-        move(g.query_index), move(g.kv_slots), move(g.mask), move(g.valid), move(g.output_rows)
+        move(g.query_index),
+        move(g.kv_slots),
+        move(g.mask),
+        move(g.valid),
+        move(g.output_rows),
+        g.whole_batch,
     )
 
 
@@ -129,9 +140,9 @@ def paged_attention(
     k_cache, v_cache = kv_cache
     k_cache.index_copy_(0, attn.slot_mapping, k)
     v_cache.index_copy_(0, attn.slot_mapping, v)
-    out = torch.empty_like(q)
+    out = None if attn.groups[0].whole_batch else q.new_empty(q.shape)
     for g in attn.groups:
-        qg = q[g.query_index]
+        qg = q.unflatten(0, g.query_index.shape) if g.whole_batch else q[g.query_index]
         if g.kv_slots is None:
             kg, vg = k[g.query_index], v[g.query_index]
         else:
@@ -146,5 +157,7 @@ def paged_attention(
             enable_gqa=True,
         )
         o = o.transpose(1, 2).reshape(-1, q.shape[1], q.shape[2])
+        if g.whole_batch:
+            return o
         out[g.output_rows] = o if g.valid is None else o[g.valid]
     return out

@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.linear import Linear
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, rotate
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,8 @@ class ModelArchitecture:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
     # Same arithmetic as transformers' LlamaRMSNorm: normalise in float32, scale in model dtype.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -95,18 +97,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope: RotaryEmbedding,
-        positions: torch.Tensor,
+        rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         arch = self.arch
         x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
-        q, k, v = self.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, arch.num_heads, arch.head_dim)
-        k = k.view(-1, arch.num_kv_heads, arch.head_dim)
-        v = v.view(-1, arch.num_kv_heads, arch.head_dim)
-        q, k = rope.apply(q, k, positions)
+        qkv = self.qkv(x)
+        # q and k sit side by side in the fused output: rotate both with one set of ops.
+        qk_size = self.q_size + self.kv_size
+        qk = rotate(qkv[:, :qk_size].unflatten(1, (-1, arch.head_dim)), *rope_cos_sin)
+        q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].unflatten(1, (arch.num_kv_heads, arch.head_dim))
         out = paged_attention(q, k, v, kv_cache, attn)
         hidden = hidden + self.o(out.reshape(-1, self.q_size))
         x = rms_norm(hidden, self.post_attention_norm, arch.rms_norm_eps)
@@ -179,9 +181,10 @@ class LlamaModel(nn.Module):
         """
         layer_ids = range(self.arch.num_layers) if layer_ids is None else layer_ids
         hidden = self.embed(input_ids)
+        rope_cos_sin = self.rope.lookup(positions)
         captured = None
         for i in layer_ids:
-            hidden = self.layers[i](hidden, self.rope, positions, kv_caches[i], attn)
+            hidden = self.layers[i](hidden, rope_cos_sin, kv_caches[i], attn)
             if i == hidden_layer:
                 captured = hidden
         if logits_indices is not None:

@@ -43,16 +43,15 @@ class RotaryEmbedding:
         self.cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)
         self.sin = (freqs.sin() * scaling).to(dtype=dtype, device=device)
 
-    def apply(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, KVH, D] by their tokens' positions [T]."""
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] for the tokens' positions [T]; once per forward pass."""
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return cos, sin
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate heads x [T, heads, D] by per-token cos/sin from ``RotaryEmbedding.lookup``."""
     # The "rotate half" convention of Llama checkpoints: pairs are (i, i + D/2).
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
