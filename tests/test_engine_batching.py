@@ -134,3 +134,28 @@ def test_prefix_cache_hits_are_reused_and_counted(tiny_model_dir):
     # Freed blocks stay cached with ref count 0 until they are handed out again.
     assert bm.num_free_blocks == bm.num_blocks
     assert any(b.hash is not None and b.ref_count == 0 for b in bm.blocks)
+
+
+def test_blocks_all_free_after_mixed_finish_abort_and_preemption(tiny_model_dir):
+    llm = LLM(
+        model=str(tiny_model_dir),
+        kv_cache={"num_blocks": 12},
+        scheduler={"max_num_batched_tokens": 32, "max_model_len": 190},
+    )
+    engine = llm.engine
+    lengths = (30, 50, 20, 45, 33)
+    for i, p in enumerate(prompts(*lengths)):
+        max_tokens = 5 if i == 2 else 60  # one finishes early by length
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        steps += 1
+        if steps == 25:
+            engine.abort("r3")  # waiting or running, whichever it is now
+            engine.abort("r0")
+    assert engine.scheduler.num_preemptions > 0
+    assert finished["r2"] == "length" and finished["r4"] == "length"
+    assert_all_blocks_free(llm)

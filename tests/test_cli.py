@@ -1,0 +1,70 @@
+"""The specserve command line, run as a real process on the real SmolLM2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+SPECSERVE = [sys.executable, "-m", "server.cli"]
+
+
+@pytest.mark.real_model
+def test_generate_streams_text(smollm2_path):
+    result = subprocess.run(
+        [
+            *SPECSERVE,
+            "generate",
+            "What is the capital of France?",
+            "--chat",
+            "--model",
+            str(smollm2_path),
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "Paris" in result.stdout
+
+
+def test_generate_rejects_bad_sampling_flags_before_loading():
+    result = subprocess.run(
+        [*SPECSERVE, "generate", "hi", "--model", "no-such-model", "--top-p", "1.5"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "top_p" in result.stderr
+
+
+@pytest.mark.real_model
+def test_bench_offline_prints_ratios_and_floor(smollm2_path):
+    result = subprocess.run(
+        [
+            *SPECSERVE,
+            "bench",
+            "offline",
+            "--model",
+            str(smollm2_path),
+            "--batch",
+            "2",
+            "--max-tokens",
+            "6",
+            "--prompt-len",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    out = result.stdout
+    assert "memory read bandwidth" in out and "of the bandwidth floor" in out
+    assert "| decode tok/s, batch 2 |" in out and "x |" in out
