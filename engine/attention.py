@@ -39,12 +39,14 @@ class SequenceSlice:
 class AttentionGroup:
     query_index: torch.Tensor  # [b, q] rows of the flattened batch; padding repeats a row
     kv_slots: torch.Tensor | None  # [b, L] cache slots to read; None: only this step's keys
-    mask: torch.Tensor | None  # [b, 1, q, L], True = attend; None: causal over new keys
+    mask: torch.Tensor | None  # [b, 1, q, L], True = attend; None: see ``causal``
     valid: torch.Tensor | None  # [b * q] non-padding results; None: all are real
     output_rows: torch.Tensor  # rows of the flattened output this group fills
     # The only group, its queries the whole batch in order (all decode, or one prefill):
     # q and the output are then reshaped, not gathered and scattered.
     whole_batch: bool = False
+    # With no mask: causal over this step's keys (fresh prefill), or every key visible.
+    causal: bool = False
 
 
 @dataclass
@@ -73,7 +75,7 @@ def build_attention_metadata(
         slot_parts.append(slots_for_positions(s.block_table, positions, block_size))
         rows = torch.arange(row, row + s.num_new)
         if s.num_cached == 0 and s.num_new > 1:
-            groups.append(AttentionGroup(rows[None], None, None, None, rows))
+            groups.append(AttentionGroup(rows[None], None, None, None, rows, causal=True))
         elif s.num_new <= SHORT_QUERY_LIMIT:
             short.append((s, rows))
         else:
@@ -110,6 +112,8 @@ def _cached_group(members: list[tuple[SequenceSlice, torch.Tensor]], block_size:
         valid[i, :n] = True
     output_rows = torch.cat([rows for _, rows in members])
     all_valid = bool(valid.all())
+    if bool(mask.all()):
+        mask = None  # e.g. decode tokens of equally long sequences: SDPA's unmasked path
     return AttentionGroup(
         query_index, kv_slots, mask, None if all_valid else valid.flatten(), output_rows
     )
@@ -126,6 +130,7 @@ def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:
         move(g.valid),
         move(g.output_rows),
         g.whole_batch,
+        g.causal,
     )
 
 
@@ -142,17 +147,19 @@ def paged_attention(
     v_cache.index_copy_(0, attn.slot_mapping, v)
     out = None if attn.groups[0].whole_batch else q.new_empty(q.shape)
     for g in attn.groups:
-        qg = q.unflatten(0, g.query_index.shape) if g.whole_batch else q[g.query_index]
-        if g.kv_slots is None:
-            kg, vg = k[g.query_index], v[g.query_index]
+        qg = _group_rows(q, g)
+        if g.kv_slots is None:  # a fresh prefill: its keys are exactly this step's
+            kg, vg = _group_rows(k, g), _group_rows(v, g)
         else:
-            kg, vg = k_cache[g.kv_slots], v_cache[g.kv_slots]
+            slots = g.kv_slots.flatten()
+            kg = k_cache.index_select(0, slots).unflatten(0, g.kv_slots.shape)
+            vg = v_cache.index_select(0, slots).unflatten(0, g.kv_slots.shape)
         o = F.scaled_dot_product_attention(
             qg.transpose(1, 2),
             kg.transpose(1, 2),
             vg.transpose(1, 2),
             attn_mask=g.mask,
-            is_causal=g.mask is None,
+            is_causal=g.causal,
             scale=attn.scale,
             enable_gqa=True,
         )
@@ -161,3 +168,10 @@ def paged_attention(
             return o
         out[g.output_rows] = o if g.valid is None else o[g.valid]
     return out
+
+
+def _group_rows(t: torch.Tensor, g: AttentionGroup) -> torch.Tensor:
+    """The group's rows of a flattened [T, ...] tensor, shaped [b, q, ...]."""
+    if g.whole_batch:
+        return t.unflatten(0, g.query_index.shape)
+    return t[g.query_index]

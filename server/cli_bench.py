@@ -19,6 +19,13 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_linear(args: argparse.Namespace) -> int:
+    from engine.bench_linear import run_linear_bench
+
+    run_linear_bench()
+    return 0
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks")
     which = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -33,3 +40,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--prompt-len", type=int, default=512)
     offline.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     offline.set_defaults(func=_cmd_bench_offline)
+    linear = which.add_parser(
+        "linear", help="GB/s of F.linear vs transposed matmul vs oneDNN for SmolLM2's shapes"
+    )
+    linear.set_defaults(func=_cmd_bench_linear)

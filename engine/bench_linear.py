@@ -1,0 +1,74 @@
+"""Which product is fastest for the model's projection shapes on this machine.
+
+Compares, for each weight shape of the model and a few row counts, ``F.linear`` against the
+``[out, in]`` weight (torch's default BLAS), ``x @ W_t`` against a transposed copy, and
+oneDNN with the weight prepacked once (what ``engine.models.linear.Linear`` uses). Weights
+are cycled through enough copies to defeat the caches, as in a real decode step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.linear import ONEDNN_BATCH_HINT, onednn_available
+
+
+def _seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def bench_shape(out_features: int, in_features: int, rows: int, copies: int) -> dict[str, float]:
+    """GB/s of weight read per method for ``rows`` input rows."""
+    weights = [torch.randn(out_features, in_features) for _ in range(copies)]
+    transposed = [w.t().contiguous() for w in weights]
+    x = torch.randn(rows, in_features)
+    methods = {
+        "F.linear [out,in]": lambda: [F.linear(x, w) for w in weights],
+        "x @ W_t [in,out]": lambda: [x @ w for w in transposed],
+    }
+    if onednn_available(torch.device("cpu"), torch.float32):
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT) for w in weights]
+        methods["oneDNN prepacked"] = lambda: [
+            torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed
+        ]
+    nbytes = out_features * in_features * 4 * copies
+    with torch.inference_mode():
+        return {name: nbytes / _seconds(fn, 5) / 1e9 for name, fn in methods.items()}
+
+
+def run_linear_bench(
+    hidden: int = 576,
+    intermediate: int = 1536,
+    heads: int = 9,
+    kv_heads: int = 3,
+    vocab: int = 49152,
+) -> None:
+    head_dim = hidden // heads
+    shapes = {
+        "qkv": (hidden + 2 * kv_heads * head_dim, hidden),
+        "o": (hidden, hidden),
+        "gate_up": (2 * intermediate, hidden),
+        "down": (hidden, intermediate),
+        "lm_head": (vocab, hidden),
+    }
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; GB/s of weights read "
+        "(higher is better)\n"
+    )
+    print("| shape | rows | " + " | ".join(bench_shape(8, 8, 1, 1)) + " |")
+    print("|---|---|" + "---|" * len(bench_shape(8, 8, 1, 1)))
+    for name, (out_f, in_f) in shapes.items():
+        copies = 1 if name == "lm_head" else 30  # 30 layers' worth, as one decode step reads
+        for rows in (1, 4, 16):
+            result = bench_shape(out_f, in_f, rows, copies)
+            cells = " | ".join(f"{v:.1f}" for v in result.values())
+            print(f"| {name} {out_f}x{in_f} | {rows} | {cells} |")
