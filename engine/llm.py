@@ -9,7 +9,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.engine import create_engine
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -95,7 +95,7 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    text = self.decode(out.outputs[0].token_ids)
+                    text = self.visible_text(out.outputs[0])
                     # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for more bytes.
                     if out.finished or not text.endswith("\ufffd"):
                         yield text[len(shown) :]
@@ -111,7 +111,7 @@ class LLM:
         return tokenizer.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of generated tokens, without a final stop or EOS token."""
+        """Text of token ids, special tokens skipped ("" for a model without tokenizer)."""
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
@@ -139,12 +139,16 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {count} prompts")
         return list(params)
 
+    def visible_text(self, completion: CompletionOutput) -> str:
+        """A completion's text: without a final stop or EOS token, as OpenAI/vLLM show it."""
+        ids = completion.token_ids
+        if completion.finish_reason == "stop" and ids:
+            ids = ids[:-1]  # the stop/EOS token is kept in token_ids, not in text
+        return self.decode(ids)
+
     def _with_text(self, out: RequestOutput) -> RequestOutput:
         for completion in out.outputs:
-            ids = completion.token_ids
-            if completion.finish_reason == "stop" and ids:
-                ids = ids[:-1]  # the stop/EOS token is kept in token_ids, not in text
-            completion.text = self.decode(ids)
+            completion.text = self.visible_text(completion)
         return out
 
 
