@@ -65,9 +65,16 @@ def slots_for_positions(
 
 
 def build_attention_metadata(
-    slices: Sequence[SequenceSlice], block_size: int, head_dim: int, device: torch.device
+    slices: Sequence[SequenceSlice],
+    block_size: int,
+    head_dim: int,
+    device: torch.device,
+    sliding_window: int | None = None,
 ) -> AttentionMetadata:
-    """Plan the attention of one step (slot writes and query groups) on the CPU."""
+    """Plan the attention of one step (slot writes and query groups) on the CPU.
+
+    With ``sliding_window`` W (Mistral), a query at position p sees keys in (p - W, p].
+    """
     slot_parts, short, groups = [], [], []
     row = 0
     for s in slices:
@@ -75,14 +82,14 @@ def build_attention_metadata(
         slot_parts.append(slots_for_positions(s.block_table, positions, block_size))
         rows = torch.arange(row, row + s.num_new)
         if s.num_cached == 0 and s.num_new > 1:
-            groups.append(AttentionGroup(rows[None], None, None, None, rows, causal=True))
+            groups.append(_fresh_prefill_group(rows, sliding_window))
         elif s.num_new <= SHORT_QUERY_LIMIT:
             short.append((s, rows))
         else:
-            groups.append(_cached_group([(s, rows)], block_size))
+            groups.append(_cached_group([(s, rows)], block_size, sliding_window))
         row += s.num_new
     if short:
-        groups.append(_cached_group(short, block_size))
+        groups.append(_cached_group(short, block_size, sliding_window))
     if len(groups) == 1 and groups[0].valid is None:
         g = groups[0]
         g.whole_batch = torch.equal(g.query_index.flatten(), torch.arange(row))
@@ -91,7 +98,27 @@ def build_attention_metadata(
     return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5)
 
 
-def _cached_group(members: list[tuple[SequenceSlice, torch.Tensor]], block_size: int):
+def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[q, L] bool: causal, and within the sliding window when there is one."""
+    seen = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        seen &= key_pos[None, :] > query_pos[:, None] - window
+    return seen
+
+
+def _fresh_prefill_group(rows: torch.Tensor, window: int | None) -> AttentionGroup:
+    """A prefill with nothing cached attends to its own new keys only."""
+    n = len(rows)
+    if window is None or n <= window:
+        return AttentionGroup(rows[None], None, None, None, rows, causal=True)
+    positions = torch.arange(n)
+    mask = _visible(positions, positions, window)[None, None]
+    return AttentionGroup(rows[None], None, mask, None, rows)
+
+
+def _cached_group(
+    members: list[tuple[SequenceSlice, torch.Tensor]], block_size: int, window: int | None
+) -> AttentionGroup:
     """A padded group whose queries read their keys back from the cache."""
     q_len = max(s.num_new for s, _ in members)
     kv_len = max(s.num_cached + s.num_new for s, _ in members)
@@ -107,7 +134,7 @@ def _cached_group(members: list[tuple[SequenceSlice, torch.Tensor]], block_size:
         query_index[i, n:] = rows[0]
         kv_slots[i, :total] = slots_for_positions(s.block_table, key_pos[:total], block_size)
         query_pos = torch.arange(s.num_cached, total)
-        mask[i, 0, :n] = key_pos[None, :] <= query_pos[:, None]
+        mask[i, 0, :n] = _visible(query_pos, key_pos, window)
         mask[i, 0, n:, 0] = True  # padding rows see one key so softmax stays finite
         valid[i, :n] = True
     output_rows = torch.cat([rows for _, rows in members])

@@ -45,8 +45,9 @@ class ModelRunner:
             logits_rows.extend(range(row + n - item.num_logits, row + n))
             slices.append(SequenceSlice(item.num_cached, n, item.block_table))
             row += n
+        arch = self.model.arch
         attn = build_attention_metadata(
-            slices, self.kv_cache.block_size, self.model.arch.head_dim, self.device
+            slices, self.kv_cache.block_size, arch.head_dim, self.device, arch.sliding_window
         )
         out = self.model(
             torch.tensor(input_ids, device=self.device),

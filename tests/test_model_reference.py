@@ -21,7 +21,7 @@ def chunked_forward(model, token_ids: torch.Tensor, chunks: list[int]) -> torch.
     with torch.inference_mode():
         for n in chunks:
             meta = build_attention_metadata(
-                [SequenceSlice(done, n, block_table)], 16, a.head_dim, "cpu"
+                [SequenceSlice(done, n, block_table)], 16, a.head_dim, "cpu", a.sliding_window
             )
             out = model(
                 token_ids[done : done + n], torch.arange(done, done + n), cache.layers, meta
@@ -56,16 +56,26 @@ def reference_logits(model_dir, token_ids: torch.Tensor) -> torch.Tensor:
         ),
         ("llama", {"rope_theta": 500.0, "head_dim": 32}),
         ("qwen2", {}),  # q/k/v biases
+        ("mistral", {"sliding_window": 8}),  # shorter than every chunk below
     ],
-    ids=["llama-tied-gqa", "untied-mha", "llama3-rope", "rope-theta-head-dim", "qwen2-bias"],
+    ids=[
+        "llama-tied-gqa",
+        "untied-mha",
+        "llama3-rope",
+        "rope-theta-head-dim",
+        "qwen2-bias",
+        "mistral-sliding-window",
+    ],
 )
 def test_tiny_model_logits_match_transformers(tmp_path, model_type, overrides):
     model_dir = save_tiny_model(tmp_path / "m", model_type, **overrides)
     ours, _ = load_model(model_dir, torch.float32, "cpu", None)
     token_ids = torch.randint(0, TINY_VOCAB, (45,), generator=torch.Generator().manual_seed(1))
     expected = reference_logits(model_dir, token_ids)
-    # One prefill, then a chunk that reads the cache back, then single decode tokens.
+    # One prefill, a chunk that reads the cache back, single decode tokens, a long chunk.
     got = chunked_forward(ours, token_ids, [20, 17, 1, 1, 1, 5])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    got = chunked_forward(ours, token_ids, [3, 40, 2])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -99,8 +99,16 @@ def test_invalid_parameter_raises_value_error_naming_it(kwargs, name):
 
 def test_boundary_values_are_accepted_and_normalised():
     params = SamplingParams(
-        temperature=0, top_p=1, top_k=-1, min_p=1, presence_penalty=-2, frequency_penalty=2,
-        logit_bias={"5": 3, 7: -100}, max_tokens=None, min_tokens=100, logprobs=20,
+        temperature=0,
+        top_p=1,
+        top_k=-1,
+        min_p=1,
+        presence_penalty=-2,
+        frequency_penalty=2,
+        logit_bias={"5": 3, 7: -100},
+        max_tokens=None,
+        min_tokens=100,
+        logprobs=20,
     )
     assert params.top_k == 0
     assert params.logit_bias == {5: 3.0, 7: -100.0}
@@ -131,8 +139,15 @@ def test_processing_never_writes_the_input_and_leaves_plain_rows_alone():
     logits = torch.randn(3, 7, generator=torch.Generator().manual_seed(1))
     original = logits.clone()
     busy = SamplingParams(
-        temperature=0.5, top_k=3, top_p=0.9, min_p=0.1, repetition_penalty=1.3,
-        presence_penalty=0.5, frequency_penalty=0.5, logit_bias={2: 5.0}, min_tokens=3,
+        temperature=0.5,
+        top_k=3,
+        top_p=0.9,
+        min_p=0.1,
+        repetition_penalty=1.3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={2: 5.0},
+        min_tokens=3,
     )
     rows = [Row(SamplingParams()), Row(busy, [1, 2], [3]), Row(SamplingParams())]
     processed = process_logits(logits, rows, [EOS])

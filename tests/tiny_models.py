@@ -11,7 +11,14 @@ TINY_VOCAB = 320
 
 def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
     """Write a random checkpoint with ``save_pretrained``; returns its directory."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
     common = dict(
         vocab_size=TINY_VOCAB,
@@ -32,6 +39,8 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
     torch.manual_seed(seed)
     if model_type == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif model_type == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(path)

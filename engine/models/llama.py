@@ -39,6 +39,7 @@ class ModelArchitecture:
     qkv_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
+    sliding_window: int | None  # Mistral: attend to the last W positions only
 
     @classmethod
     def from_hf_config(cls, config) -> ModelArchitecture:
@@ -46,6 +47,12 @@ class ModelArchitecture:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # Qwen2 has biases on q/k/v without an ``attention_bias`` flag in its config.
         qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        sliding_window = None
+        if config.model_type == "mistral":
+            sliding_window = getattr(config, "sliding_window", None)
+        elif getattr(config, "use_sliding_window", False):
+            # Qwen2 slides only in some layers; one window for all layers would be wrong.
+            raise ValueError(f"{config.model_type} with use_sliding_window is not supported")
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -58,6 +65,7 @@ class ModelArchitecture:
             qkv_bias=qkv_bias,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
+            sliding_window=sliding_window,
         )
 
 
