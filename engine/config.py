@@ -55,7 +55,10 @@ class EngineConfig(_Strict):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> EngineConfig:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} not found")
+        data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
         try:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -15,7 +14,7 @@ from engine.models.llama import LlamaModel
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import Sampler, SamplingParams, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, SequenceStatus
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,6 +25,9 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
+    # Continuations 1..n-1 wait until the first has computed the prompt, so that they are
+    # admitted with its blocks from the prefix cache instead of prefilling it again.
+    held_back: list[Sequence] = field(default_factory=list)
 
 
 class Engine:
@@ -75,7 +77,6 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -94,10 +95,10 @@ class Engine:
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=params,
                 generator=make_generator(seed),
-                arrival_index=next(self._arrivals),
             )
             request.seqs.append(seq)
-            self.scheduler.add(seq)
+        self.scheduler.add(request.seqs[0])
+        request.held_back = request.seqs[1:]
         self.requests[request_id] = request
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -117,6 +118,7 @@ class Engine:
                 f"prompt ({n} tokens) plus max_tokens ({params.max_tokens}) exceeds the "
                 f"context length of {self.max_model_len} tokens"
             )
+        params.validate()  # again: fields may have been changed since construction
         params.validate_for_vocab(vocab)
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -125,7 +127,9 @@ class Engine:
         if request is None:
             return None
         for seq in request.seqs:
-            if not seq.is_finished:
+            if seq in request.held_back:  # never given to the scheduler
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            elif not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         return self._output(request, {})
 
@@ -138,12 +142,15 @@ class Engine:
         scheduled = self.scheduler.schedule().scheduled
         if not scheduled:
             return []
-        completing = [s for s in scheduled if s.seq.num_uncomputed_tokens == s.num_new_tokens]
-        logits = self.runner.run([_forward_item(s) for s in scheduled])
+        # A sequence whose uncomputed tokens all run now gets logits and a new token; a
+        # prefill chunk that stops short of the end does not.
+        completing = [s.seq.num_uncomputed_tokens == s.num_new_tokens for s in scheduled]
+        items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
+        logits = self.runner.run(items)
         for s in scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit_full_blocks(s.seq)
-        rows = [s.seq for s in completing]
+        rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
         sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
         new_tokens: dict[str, int] = {}
         for seq, token in zip(rows, sampled, strict=True):
@@ -152,12 +159,19 @@ class Engine:
             reason = self._finish_reason(seq, token.token_id)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
+            self._release_held_back(self.requests[seq.request_id])
         progressed = {seq.request_id for seq in rows}
         outputs = [self._output(self.requests[r], new_tokens) for r in sorted(progressed)]
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
         return outputs
+
+    def _release_held_back(self, request: Request) -> None:
+        """The prompt's full blocks are now in the prefix cache: admit the other n-1."""
+        for seq in request.held_back:
+            self.scheduler.add(seq)
+        request.held_back = []
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
@@ -187,13 +201,12 @@ class Engine:
                 )
                 for i, seq in enumerate(request.seqs)
             ],
-            num_cached_prompt_tokens=max(seq.num_prefix_hit_tokens for seq in request.seqs),
+            num_cached_prompt_tokens=request.seqs[0].num_prefix_hit_tokens,
         )
 
 
-def _forward_item(s: ScheduledSequence) -> ForwardItem:
+def _forward_item(s: ScheduledSequence, completes: bool) -> ForwardItem:
     seq, start = s.seq, s.seq.num_computed_tokens
-    completes = seq.num_uncomputed_tokens == s.num_new_tokens
     return ForwardItem(
         token_ids=seq.token_ids[start : start + s.num_new_tokens],
         num_cached=start,

@@ -102,13 +102,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)  # a private copy the caller cannot mutate
+        self.validate()
+        if self.top_k == -1:
+            self.top_k = 0
+        self.logit_bias = self._normalised_logit_bias()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid parameter (run again by the engine,
+        since fields can be changed after construction)."""
         # Types first, so that a wrong type reads as a ValueError naming the field rather than
         # as a TypeError from a comparison.
         self._check_types()
         self._check_ranges()
-        if self.top_k == -1:
-            self.top_k = 0
-        self.logit_bias = self._normalised_logit_bias()
 
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):

@@ -74,13 +74,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.block_manager.allocate_prefix(seq)
-            if seq.num_preemptions == 0:
-                seq.num_prefix_hit_tokens = hits
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_append(seq, n):
                 self.block_manager.free(seq)  # give back the prefix-cache references
                 break
             self.block_manager.append_slots(seq, n)
+            if seq.num_preemptions == 0:  # a recompute is not a prompt lookup
+                seq.num_prefix_hit_tokens = hits
+                if self.block_manager.enable_prefix_caching:
+                    self.block_manager.stats.record(seq.num_prompt_tokens, hits)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -29,7 +29,6 @@ class Sequence:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    arrival_index: int  # admission order; newest is preempted first
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[SampledToken] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -33,7 +33,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "offline",
         help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate()",
     )
-    offline.add_argument("--config", default="configs/default.yaml")
+    offline.add_argument("--config", help="engine config YAML (default: built-in defaults)")
     offline.add_argument("--model")
     offline.add_argument("--batch", type=int, default=16)
     offline.add_argument("--max-tokens", type=int, default=128)

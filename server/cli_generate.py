@@ -8,7 +8,10 @@ import sys
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default="configs/default.yaml", help="engine config YAML")
+    p.add_argument(
+        "--config",
+        help="engine config YAML (default: the built-in defaults, as in configs/default.yaml)",
+    )
     p.add_argument("--model", help="model name, local HF directory, .gguf file or hub id")
 
 

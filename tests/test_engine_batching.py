@@ -65,11 +65,19 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(tiny_model_di
 
 def test_n_continuations_share_the_prompt_and_differ(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir))
-    out = llm.generate(prompts(40), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20))[0]
+    stats = llm.engine.block_manager.stats
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=20)
+    out = llm.generate(prompts(40), params)[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) <= 20 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    # Continuations 1 and 2 reuse the two full prompt blocks the first one computed.
+    assert (stats.queries, stats.hits) == (3 * 40, 2 * 32)
+    assert out.num_cached_prompt_tokens == 0
     assert_all_blocks_free(llm)
+    # Each continuation is its own seeded stream: the same request gives the same three.
+    again = llm.generate(prompts(40), params)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
 
 
 def test_finish_reasons(tiny_model_dir):
@@ -118,6 +126,14 @@ def test_abort_at_any_time_frees_every_block(tiny_model_dir, abort_after_steps):
     assert_all_blocks_free(llm)
 
 
+def test_changed_sampling_params_are_validated_again(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    params = SamplingParams()
+    params.top_p = 0.0
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate(prompts(5), params)
+
+
 def test_prefix_cache_hits_are_reused_and_counted(tiny_model_dir):
     llm = LLM(model=str(tiny_model_dir))
     bm = llm.engine.block_manager
@@ -147,15 +163,33 @@ def test_blocks_all_free_after_mixed_finish_abort_and_preemption(tiny_model_dir)
     for i, p in enumerate(prompts(*lengths)):
         max_tokens = 5 if i == 2 else 60  # one finishes early by length
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    finished, steps = {}, 0
+    finished, aborted = {}, []
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.finish_reason
-        steps += 1
-        if steps == 25:
-            engine.abort("r3")  # waiting or running, whichever it is now
-            engine.abort("r0")
-    assert engine.scheduler.num_preemptions > 0
-    assert finished["r2"] == "length" and finished["r4"] == "length"
+        sched = engine.scheduler
+        preempted = [s for s in sched.waiting if s.num_preemptions > 0]
+        if preempted and not aborted:
+            # Abort one request sent back to the waiting queue and one that is running.
+            aborted = [preempted[0].request_id, sched.running[0].request_id]
+            for request_id in aborted:
+                assert engine.abort(request_id).finish_reason == "abort"
+    assert len(aborted) == 2 and engine.scheduler.num_preemptions > 0
+    assert set(finished) == {"r0", "r1", "r2", "r3", "r4"} - set(aborted)
+    assert set(finished.values()) == {"length"}
     assert_all_blocks_free(llm)
+
+
+def test_logprobs_reach_the_request_output(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    out = llm.generate(prompts(12), SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    steps = out.outputs[0].logprobs
+    assert [s.token_id for s in steps] == out.token_ids
+    for s in steps:
+        top_ids = [t for t, _ in s.top_logprobs]
+        # Greedy picks the most likely raw token, so it heads the top-3 list.
+        assert top_ids[0] == s.token_id and len(top_ids) == 3
+        assert s.logprob == pytest.approx(s.top_logprobs[0][1])
+    plain = llm.generate(prompts(12), SamplingParams(temperature=0, max_tokens=4))[0]
+    assert plain.outputs[0].logprobs is None

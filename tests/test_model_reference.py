@@ -57,6 +57,7 @@ def reference_logits(model_dir, token_ids: torch.Tensor) -> torch.Tensor:
         ("llama", {"rope_theta": 500.0, "head_dim": 32}),
         ("qwen2", {}),  # q/k/v biases
         ("mistral", {"sliding_window": 8}),  # shorter than every chunk below
+        ("llama", {"attention_bias": True, "mlp_bias": True}),  # biases on q/k/v/o and the MLP
     ],
     ids=[
         "llama-tied-gqa",
@@ -65,6 +66,7 @@ def reference_logits(model_dir, token_ids: torch.Tensor) -> torch.Tensor:
         "rope-theta-head-dim",
         "qwen2-bias",
         "mistral-sliding-window",
+        "llama-biases",
     ],
 )
 def test_tiny_model_logits_match_transformers(tmp_path, model_type, overrides):
@@ -103,6 +105,10 @@ def test_layer_subset_and_hidden_states(tmp_path):
         )
         assert out.logits.shape == (1, TINY_VOCAB)
         skipped = ours(token_ids, torch.arange(10), cache.layers, meta, layer_ids=[0, 2])
+        # The reference for layer skipping: transformers' model with layer 1 removed.
+        hf.model.layers = torch.nn.ModuleList([hf.model.layers[0], hf.model.layers[2]])
+        expected = hf(token_ids[None], use_cache=False).logits[0]
+        torch.testing.assert_close(skipped.logits, expected, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(skipped.logits[-1], out.logits[0], atol=1e-3)
 
 

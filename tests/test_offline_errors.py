@@ -72,11 +72,15 @@ def test_unknown_config_key_names_the_key(tmp_path):
         LLM(config=EngineConfig(), speculative=True)
 
 
-def test_default_config_file_loads():
-    config = EngineConfig.from_yaml("configs/default.yaml")
-    assert config.model == "smollm2-135m-instruct"
-    assert config.kv_cache.block_size == 16
-    assert config.decoder.method == "autoregressive"
+def test_default_config_file_is_the_built_in_default():
+    # The CLI falls back to EngineConfig() when no --config is given: they must agree.
+    assert EngineConfig.from_yaml("configs/default.yaml") == EngineConfig()
+    assert EngineConfig().model == "smollm2-135m-instruct"
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        EngineConfig.from_yaml(tmp_path / "nope.yaml")
 
 
 def test_kv_cache_too_small_for_the_context_is_rejected(tiny_model_dir):

@@ -28,13 +28,25 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
+    # What the hash stands for, compared on every hit so that a hash collision can never
+    # hand one prompt another prompt's K/V: by induction along the chain, hits are exact.
+    parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: its tokens and everything before them."""
+    return hash((parent_hash, token_ids))
 
 
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # prompt tokens found
+
+    def record(self, num_queried: int, num_hit: int) -> None:
+        self.queries += num_queried
+        self.hits += num_hit
 
 
 @dataclass
@@ -76,28 +88,29 @@ class BlockManager:
         """Start a sequence's block table from the prefix cache; returns the tokens reused.
 
         Only blocks that end before the last token are looked up: that token must be
-        computed this step to produce the next token's logits.
+        computed this step to produce the next token's logits. Statistics are the caller's
+        to record (``stats.record``), since only it knows whether the admission sticks.
         """
         assert not seq.block_table, "sequence already has blocks"
         seq.num_computed_tokens = 0
         if not self.enable_prefix_caching:
             return 0
         tokens = seq.token_ids
-        lookup_blocks = (len(tokens) - 1) // self.block_size
-        self.stats.queries += len(tokens)
         parent = None
-        for i in range(lookup_blocks):
+        for i in range((len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            h = chain_hash(parent, chunk)
             block_id = self._hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if (block.parent_hash, block.token_ids) != (parent, chunk):
                 break
             self._ref(block_id)
             seq.block_table.append(block_id)
             seq.block_hashes.append(h)
             parent = h
         seq.num_computed_tokens = len(seq.block_table) * self.block_size
-        self.stats.hits += seq.num_computed_tokens
         return seq.num_computed_tokens
 
     def can_append(self, seq: CachedSequence, num_new_tokens: int) -> bool:
@@ -118,12 +131,15 @@ class BlockManager:
     def rollback(self, seq: CachedSequence, num_tokens: int) -> None:
         """Shrink a sequence's cache to ``num_tokens`` tokens (rejected drafts); blocks past
         the new length go back to the pool."""
-        if num_tokens > seq.num_computed_tokens or num_tokens < 0:
-            raise ValueError(f"cannot roll back to {num_tokens} of {seq.num_computed_tokens}")
+        committed = len(seq.block_hashes) * self.block_size
+        if not committed <= num_tokens <= seq.num_computed_tokens:
+            # Committed blocks hold accepted tokens and may be shared: never cut into them.
+            raise ValueError(
+                f"cannot roll back to {num_tokens} tokens: valid range is "
+                f"[{committed}, {seq.num_computed_tokens}]"
+            )
         seq.num_computed_tokens = num_tokens
         keep = -(-num_tokens // self.block_size)
-        # Committed (hashed) blocks hold accepted tokens only, so they are never cut here.
-        keep = max(keep, len(seq.block_hashes))
         while len(seq.block_table) > keep:
             self._unref(seq.block_table.pop())
 
@@ -136,10 +152,10 @@ class BlockManager:
         parent = seq.block_hashes[-1] if seq.block_hashes else None
         for i in range(len(seq.block_hashes), full):
             chunk = tuple(seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            h = hash((parent, chunk))
+            h = chain_hash(parent, chunk)
             block = self.blocks[seq.block_table[i]]
             if h not in self._hash_to_block:
-                block.hash, block.token_ids = h, chunk
+                block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self._hash_to_block[h] = block.block_id
             seq.block_hashes.append(h)
             parent = h
@@ -160,7 +176,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None and self._hash_to_block.get(block.hash) == block_id:
             del self._hash_to_block[block.hash]  # evict the stale prefix entry
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.parent_hash, block.token_ids, block.ref_count = None, None, (), 1
         return block_id
 
     def _ref(self, block_id: int) -> None:

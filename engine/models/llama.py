@@ -37,6 +37,8 @@ class ModelArchitecture:
     head_dim: int
     rms_norm_eps: float
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_window: int | None  # Mistral: attend to the last W positions only
@@ -46,7 +48,9 @@ class ModelArchitecture:
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         # Qwen2 has biases on q/k/v without an ``attention_bias`` flag in its config.
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        # Llama's attention_bias puts biases on q, k, v and o; Qwen2 has them on q, k, v only.
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias or config.model_type == "qwen2"
         sliding_window = None
         if config.model_type == "mistral":
             sliding_window = getattr(config, "sliding_window", None)
@@ -63,6 +67,8 @@ class ModelArchitecture:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             qkv_bias=qkv_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             sliding_window=sliding_window,

@@ -92,10 +92,10 @@ def build_model(
                 arch,
                 input_norm=get(f"model.layers.{i}.input_layernorm.weight"),
                 qkv=linear(attn + "q_proj", attn + "k_proj", attn + "v_proj", bias=arch.qkv_bias),
-                o=linear(attn + "o_proj"),
+                o=linear(attn + "o_proj", bias=arch.o_bias),
                 post_attention_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                gate_up=linear(mlp + "gate_proj", mlp + "up_proj"),
-                down=linear(mlp + "down_proj"),
+                gate_up=linear(mlp + "gate_proj", mlp + "up_proj", bias=arch.mlp_bias),
+                down=linear(mlp + "down_proj", bias=arch.mlp_bias),
             )
         )
     head = "model.embed_tokens" if arch.tie_word_embeddings else "lm_head"
