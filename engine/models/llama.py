@@ -21,7 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.linear import Linear
-from engine.models.rope import RotaryEmbedding, rotate
+from engine.models.rope import RopeFactors, RotaryEmbedding, rotate
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        rope_cos_sin: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeFactors,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
@@ -120,7 +120,7 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv(x)
         # q and k sit side by side in the fused output: rotate both with one set of ops.
         qk_size = self.q_size + self.kv_size
-        qk = rotate(qkv[:, :qk_size].unflatten(1, (-1, arch.head_dim)), *rope_cos_sin)
+        qk = rotate(qkv[:, :qk_size].unflatten(1, (-1, arch.head_dim)), rope)
         q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].unflatten(1, (arch.num_kv_heads, arch.head_dim))
         out = paged_attention(q, k, v, kv_cache, attn)
@@ -195,10 +195,10 @@ class LlamaModel(nn.Module):
         """
         layer_ids = range(self.arch.num_layers) if layer_ids is None else layer_ids
         hidden = self.embed(input_ids)
-        rope_cos_sin = self.rope.lookup(positions)
+        rope = self.rope.lookup(positions)
         captured = None
         for i in layer_ids:
-            hidden = self.layers[i](hidden, rope_cos_sin, kv_caches[i], attn)
+            hidden = self.layers[i](hidden, rope, kv_caches[i], attn)
             if i == hidden_layer:
                 captured = hidden
         if logits_indices is not None:

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, LlamaModel, ModelArchitecture
-from engine.models.rope import RotaryEmbedding
+from engine.models.rope import RotaryEmbedding, interleave_rope_rows
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -80,9 +80,17 @@ def build_model(
 
     def linear(*prefixes: str, bias: bool = False) -> Linear:
         """One projection from the named [out, in] weights, fused in the given order."""
-        weight = torch.cat([get(p + ".weight") for p in prefixes])
-        b = torch.cat([get(p + ".bias") for p in prefixes]) if bias else None
+        weight = torch.cat([get_rows(p + ".weight") for p in prefixes])
+        b = torch.cat([get_rows(p + ".bias") for p in prefixes]) if bias else None
         return Linear(weight, b, pack=pack)
+
+    def get_rows(name: str) -> torch.Tensor:
+        # q and k rows are reordered for the model's rope layout (see interleave_rope_rows).
+        if ".q_proj." in name:
+            return interleave_rope_rows(get(name), arch.num_heads)
+        if ".k_proj." in name:
+            return interleave_rope_rows(get(name), arch.num_kv_heads)
+        return get(name)
 
     layers = []
     for i in range(arch.num_layers):

@@ -33,25 +33,54 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
 
 
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Reorder each head's rows of a q or k projection from Llama's rotate-half layout
+    (pairs i and i + D/2) to adjacent pairs (2i, 2i + 1).
+
+    Attention only ever takes dot products of q with k, which a permutation of the head
+    dimension applied to both leaves unchanged, so the model computes the same function; the
+    adjacent layout lets ``rotate`` be one complex multiplication instead of seven kernels.
+    """
+    head_dim = weight.shape[0] // num_heads
+    rest = weight.shape[1:]
+    halves = weight.reshape(num_heads, 2, head_dim // 2, *rest)
+    return halves.transpose(1, 2).reshape(weight.shape)
+
+
+RopeFactors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding:
-    """cos/sin for every position up to ``max_positions``, looked up per token."""
+    """Rotation factors for every position up to ``max_positions``, looked up per token:
+    complex ``cos + i sin`` in float32, a (cos, sin) pair in other dtypes."""
 
     def __init__(self, config, head_dim: int, max_positions: int, dtype, device):
         inv_freq, scaling = inverse_frequencies(config, head_dim)
         positions = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(positions, inv_freq.float())
-        self.cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)
-        self.sin = (freqs.sin() * scaling).to(dtype=dtype, device=device)
+        if dtype == torch.float32:
+            magnitude = torch.full_like(freqs, float(scaling))
+            self.table: RopeFactors = torch.polar(magnitude, freqs).to(device)
+        else:
+            cos = (freqs.cos() * scaling).to(dtype=dtype, device=device)
+            sin = (freqs.sin() * scaling).to(dtype=dtype, device=device)
+            self.table = (cos, sin)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D/2] for the tokens' positions [T]; once per forward pass."""
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
-        return cos, sin
+    def lookup(self, positions: torch.Tensor) -> RopeFactors:
+        """Factors [T, 1, D/2] for the tokens' positions [T]; once per forward pass."""
+        if isinstance(self.table, torch.Tensor):
+            return self.table.index_select(0, positions).unsqueeze(1)
+        return tuple(t.index_select(0, positions).unsqueeze(1) for t in self.table)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate heads x [T, heads, D] by per-token cos/sin from ``RotaryEmbedding.lookup``."""
-    # The "rotate half" convention of Llama checkpoints: pairs are (i, i + D/2).
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def rotate(x: torch.Tensor, factors: RopeFactors) -> torch.Tensor:
+    """Rotate heads x [T, heads, D], laid out by ``interleave_rope_rows``, by ``lookup``'s
+    factors."""
+    pairs = x.unflatten(-1, (-1, 2))
+    if isinstance(factors, torch.Tensor):
+        if pairs.stride(-1) != 1:
+            pairs = pairs.contiguous()  # a complex view needs each pair adjacent in memory
+        return torch.view_as_real(torch.view_as_complex(pairs) * factors).flatten(-2)
+    cos, sin = factors
+    x1, x2 = pairs.unbind(-1)
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
