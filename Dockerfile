@@ -51,6 +51,4 @@ RUN chmod 755 /usr/local/bin/specserve-entrypoint
 USER specserve
 EXPOSE 8000
 ENTRYPOINT ["specserve-entrypoint"]
-# Until the HTTP server exists (next issue) the default command runs the offline generator once;
-# it becomes ["serve", "--host", "0.0.0.0", "--port", "8000"] when the server lands.
-CMD ["generate", "--chat", "Hello! Who are you?"]
+CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -18,7 +18,7 @@ STAMP := $(VENV)/.installed
 .PHONY: help install pull test lint serve bench
 
 help:
-	@echo "make serve    install what is missing, pull the default model, run it (see README)"
+	@echo "make serve    install what is missing, pull the default model, start the server on :8000"
 	@echo "make test     install what is missing, pull the default model, run the tests"
 	@echo "make install  create $(VENV) with $(TORCH_SPEC) and the project (editable, dev extras)"
 	@echo "make pull     pull the default model into the cache (\$$SPECSERVE_CACHE_DIR)"
@@ -44,9 +44,11 @@ test: install pull
 lint: install
 	$(BIN)/ruff check .
 
-# The HTTP server lands in a later issue; until then `serve` runs the offline generator once.
+# The OpenAI-compatible server on the embedded default model, http://127.0.0.1:8000/v1
+HOST ?= 127.0.0.1
+PORT ?= 8000
 serve: install pull
-	$(BIN)/specserve generate --chat "Hello! Who are you?"
+	$(BIN)/specserve serve --host $(HOST) --port $(PORT)
 
 bench: install pull
 	$(BIN)/specserve bench offline

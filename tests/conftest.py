@@ -40,3 +40,22 @@ def smollm2_llm(smollm2_path):
     from engine import LLM
 
     return LLM(model=str(smollm2_path))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, smollm2_path) -> Path:
+    """A random 2-layer Llama with SmolLM2's tokenizer and chat template (vocab 49152):
+    gibberish text, but every server code path (chat template, detokenizer) is real."""
+    import shutil
+
+    from tests.tiny_models import save_tiny_model
+
+    path = save_tiny_model(
+        tmp_path_factory.mktemp("tiny-chat") / "llama",
+        vocab_size=49152,
+        num_hidden_layers=2,
+        max_position_embeddings=1024,
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_path / name, path / name)
+    return path

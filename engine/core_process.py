@@ -1,0 +1,474 @@
+"""The engine core in its own process, and the async client the server talks to it through.
+
+Why a process: a forward pass holds the CPU (and much of the time the GIL); in the server's
+process it would stall every other stream and the health checks. The child runs
+``run_engine_core``: it loads the engine, then loops — drain commands, ``Engine.step()``, send
+the step's deltas and a stats snapshot. The parent side, ``AsyncEngineClient``, never runs model
+code and never blocks its event loop: two small threads own the pipe (see ``_EngineProcess``).
+
+The child is spawned, not forked: a fork would copy the server's threads, event loop and torch
+thread pool mid-flight. As with any spawn, a script that starts a client must guard its entry
+point with ``if __name__ == "__main__":``. Messages and errors live in ``engine.core_protocol``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+
+from engine.config import EngineConfig
+from engine.core_protocol import (
+    AbortRequest,
+    AddRequest,
+    DeltaTracker,
+    EngineDeadError,
+    EngineInfo,
+    EngineNotReadyError,
+    EngineOutputs,
+    EngineReady,
+    EngineStartError,
+    EngineStartFailed,
+    EngineStats,
+    RequestDelta,
+    RequestError,
+    Shutdown,
+    engine_info,
+    engine_stats,
+)
+from engine.engine import Engine, create_engine
+from engine.sampling import SamplingParams
+
+__all__ = [
+    "AsyncEngineClient",
+    "EngineDeadError",
+    "EngineNotReadyError",
+    "EngineStartError",
+    "run_engine_core",
+]
+
+logger = logging.getLogger(__name__)
+
+
+# ==== child side ==============================================================================
+def run_engine_core(config: EngineConfig, conn: Connection) -> None:
+    """Entry point of the engine process (the spawn target): load, report ready, serve.
+
+    Sends ``EngineReady`` (or ``EngineStartFailed``) first, then one ``EngineOutputs`` per loop
+    iteration. Returns when told to shut down or when the server's end of the pipe closes; a
+    failure while loading or stepping prints the traceback to stderr and exits with code 1.
+    """
+    if multiprocessing.parent_process() is not None:
+        # Ctrl-C in a terminal reaches the whole process group; the server decides when we stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine, model_dir = create_engine(config)
+    except Exception as e:
+        traceback.print_exc()
+        _send_quietly(conn, EngineStartFailed(f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    try:
+        conn.send(EngineReady(engine_info(engine, model_dir)))
+        _CoreLoop(engine, conn).run()
+    except (EOFError, ConnectionError):
+        pass  # the server is gone: there is nobody left to serve
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+def _send_quietly(conn: Connection, message: object) -> None:
+    try:
+        conn.send(message)
+    except (OSError, EOFError):
+        pass  # best effort: the exit code tells the server the rest
+
+
+class _CoreLoop:
+    """The child's loop: commands in, one engine step, deltas and stats out."""
+
+    def __init__(self, engine: Engine, conn: Connection):
+        self.engine = engine
+        self.conn = conn
+        self.deltas = DeltaTracker()
+
+    def run(self) -> None:
+        while True:
+            # Idle: sleep in recv until a command comes. Busy: only take what is already there.
+            commands = self._receive(block=not self.engine.has_unfinished_requests())
+            out = EngineOutputs()
+            for command in commands:
+                if isinstance(command, Shutdown):
+                    return
+                self._apply(command, out)
+            if self.engine.has_unfinished_requests():
+                self._step(out)
+            out.stats = engine_stats(self.engine)
+            self.conn.send(out)
+
+    def _receive(self, block: bool) -> list:
+        commands = [self.conn.recv()] if block else []
+        while self.conn.poll(0):
+            commands.append(self.conn.recv())
+        return commands
+
+    def _apply(self, command: AddRequest | AbortRequest, out: EngineOutputs) -> None:
+        if isinstance(command, AddRequest):
+            try:
+                self.engine.add_request(
+                    command.request_id, command.prompt_token_ids, command.params
+                )
+            except ValueError as e:  # the request never starts; the engine carries on
+                out.errors.append(RequestError(command.request_id, str(e)))
+        elif isinstance(command, AbortRequest):
+            # Engine.abort frees the request's blocks now, before the next step.
+            final = self.engine.abort(command.request_id)
+            if final is not None:
+                out.deltas.append(self.deltas.delta(final))
+
+    def _step(self, out: EngineOutputs) -> None:
+        started = time.time()
+        outputs = self.engine.step()
+        # Requests in the running queue after the step were scheduled by it (or earlier); this
+        # catches a prompt whose first prefill chunk has produced no output yet. A request
+        # that finished within its first step is caught by delta(scheduled_at=...).
+        self.deltas.mark_scheduled((s.request_id for s in self.engine.scheduler.running), started)
+        out.deltas.extend(self.deltas.delta(o, scheduled_at=started) for o in outputs)
+
+
+# ==== server side =============================================================================
+class _EngineProcess:
+    """One spawned engine process and the two threads that own its pipe.
+
+    The reader thread sleeps in ``conn.recv()`` and hands each message to the event loop with
+    ``call_soon_threadsafe``. When the child dies, the kernel closes its end of the pipe and
+    ``recv`` raises EOFError at once: the same thread then reaps the child and reports its exit
+    code, after every message the child sent before dying (no race between "last outputs" and
+    "dead", and no polling delay). We use a thread rather than ``loop.add_reader`` because a
+    readable pipe may hold only part of a large message, and ``recv`` would then block the loop.
+    The writer thread sends commands from a queue, because a big prompt can fill the pipe
+    while the child is mid-step and not reading, and a send would block the loop just the same.
+    Only the reader thread waits on the process, so two threads never race to reap it.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loop: asyncio.AbstractEventLoop,
+        on_message: Callable[[_EngineProcess, object], None],
+        on_exit: Callable[[_EngineProcess, int | None], None],
+    ):
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, self._child_conn = ctx.Pipe(duplex=True)
+        # daemon: if the server exits without shutdown(), multiprocessing still ends the child.
+        self.process = ctx.Process(
+            target=run_engine_core,
+            args=(config, self._child_conn),
+            name="specserve-engine",
+            daemon=True,
+        )
+        self._loop, self._on_message, self._on_exit = loop, on_message, on_exit
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._writer = threading.Thread(target=self._write, name="engine-writer", daemon=True)
+        self.ready: asyncio.Future[EngineInfo] = loop.create_future()
+        self.start_error: str | None = None  # what the child said before exiting, if anything
+        # start/stop/close may race (a shutdown while a cancelled start is unwinding): the lock
+        # makes them take turns, and stop/close idempotent.
+        self._lock = threading.Lock()
+        self._started = self._released = False
+
+    # ---- used from the event loop (non-blocking) ---------------------------------------
+    def send(self, command: object) -> None:
+        # Pickled now (cheap next to parsing the HTTP request), so the command is a snapshot:
+        # later changes to the caller's params cannot reach the engine.
+        self._commands.put(ForkingPickler.dumps(command))
+
+    # ---- blocking: run these in a worker thread ----------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if self._released:
+                raise EngineStartError("the engine was stopped before it started")
+            self.process.start()
+            self._started = True
+            # Drop our copy of the child's end, or its death would never read as EOF here.
+            self._child_conn.close()
+            self._reader.start()
+            self._writer.start()
+
+    def stop(self, timeout: float) -> None:
+        """Ask the child to exit; terminate, then kill it if it does not; release all."""
+        with self._lock:
+            if self._started and not self._released:
+                self.send(Shutdown())
+                self._reader.join(timeout)
+                if self._reader.is_alive():
+                    self.process.terminate()
+                    self._reader.join(2.0)
+                if self._reader.is_alive():
+                    self.process.kill()
+                    self._reader.join()
+            self._release()
+
+    def close(self) -> None:
+        """Release threads, pipe and process handle; the child must have exited."""
+        with self._lock:
+            self._release()
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._started:
+            self._reader.join()
+            self._commands.put(None)
+            self._writer.join()
+            self.process.close()
+        self._child_conn.close()
+        self._conn.close()
+
+    # ---- threads -----------------------------------------------------------------------
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            self._post(self._on_message, self, message)
+        # EOF: the child has exited or is exiting. One that closed the pipe but lingers
+        # cannot serve anyway.
+        self.process.join(1.0)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join()
+        self._post(self._on_exit, self, self.process.exitcode)
+
+    def _write(self) -> None:
+        while (command := self._commands.get()) is not None:
+            try:
+                self._conn.send_bytes(command)
+            except OSError:
+                return  # the child is gone; the reader reports it
+
+    def _post(self, callback: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is listening any more
+
+
+class AsyncEngineClient:
+    """The server's handle on the engine process; use it from one asyncio event loop.
+
+    ``await start()`` spawns the engine and waits until it is ready; ``generate`` streams a
+    request's ``RequestDelta``s; ``abort`` and ``shutdown`` do what they say. If the engine process
+    dies, every in-flight ``generate`` raises ``EngineDeadError`` and the client starts a new
+    process, at most ``max_restarts`` times within any ``restart_window_s`` seconds (a sliding
+    window, so an engine that crashes once a day is always restarted while a crash loop is
+    not). ``ready`` is False while (re)starting and after giving up; ``last_error`` says why.
+    """
+
+    def __init__(
+        self, config: EngineConfig, max_restarts: int = 3, restart_window_s: float = 600.0
+    ):
+        self.config = config
+        self.max_restarts = max_restarts
+        self.restart_window_s = restart_window_s
+        self.ready = False
+        self.info: EngineInfo | None = None
+        self.stats = EngineStats()  # the latest snapshot from the engine
+        self.last_error: str | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._proc: _EngineProcess | None = None
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._restart_times: deque[float] = deque()
+        self._restart_task: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid (None before start and between restarts)."""
+        return self._proc.process.pid if self._proc is not None else None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> EngineInfo:
+        """Spawn the engine process and wait until it has loaded the model.
+
+        Raises ``EngineStartError`` (with the exit code and the child's error) if the process
+        exits first. Waiting happens off the event loop, which stays responsive.
+        """
+        if self._closed or self._proc is not None:
+            raise RuntimeError("start() may be called once, before shutdown()")
+        self._loop = asyncio.get_running_loop()
+        return await self._launch()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the engine to be ready; returns ``ready``.
+
+        Returns early (False) once the client has given up restarting or was shut down.
+        """
+        deadline = time.monotonic() + timeout
+        while not self.ready and time.monotonic() < deadline:
+            if self._closed or (self._proc is None and self._restart_task is None):
+                break
+            await asyncio.sleep(0.05)
+        return self.ready
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine gracefully (terminate, then kill, after ``timeout`` seconds) and
+        release its threads, pipe and process; in-flight streams raise ``EngineDeadError``."""
+        if self._closed:
+            return
+        # A child still loading cannot read the shutdown command: terminate it at once.
+        grace = timeout if self.ready else 0.0
+        self._closed, self.ready = True, False
+        self.last_error = "the engine was shut down"
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            await asyncio.gather(self._restart_task, return_exceptions=True)
+        self._fail_streams("the engine was shut down")
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            await asyncio.to_thread(proc.stop, grace)
+
+    # ---- requests ----------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestDelta]:
+        """Submit a request and yield its deltas; the last one has ``finished=True``.
+
+        Raises ``EngineNotReadyError`` at once when the engine is not ready, ``ValueError``
+        (the engine's message, before anything is yielded) when the engine refuses the
+        request, and ``EngineDeadError`` if the engine process dies meanwhile. If the consumer
+        stops early (break, ``aclose()``, cancellation) the request is aborted in the engine;
+        wrap the iterator in ``contextlib.aclosing`` to make that happen at once on ``break``
+        rather than when the generator is garbage-collected.
+        """
+        if not self.ready or self._proc is None:
+            raise EngineNotReadyError(self.last_error or "the engine is not ready")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        proc, stream = self._proc, asyncio.Queue()
+        self._streams[request_id] = stream
+        proc.send(AddRequest(request_id, list(prompt_token_ids), params))
+        done = False  # nothing left in the engine to abort
+        try:
+            while not done:
+                item = await stream.get()
+                if isinstance(item, Exception):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+        finally:
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+            if not done and proc is self._proc:
+                proc.send(AbortRequest(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream then ends with a delta whose finish_reason is "abort"."""
+        if self._proc is not None and self.ready:
+            self._proc.send(AbortRequest(request_id))
+
+    # ---- engine process management -----------------------------------------------------
+    async def _launch(self) -> EngineInfo:
+        self.ready = False
+        proc = _EngineProcess(self.config, self._loop, self._on_message, self._on_exit)
+        self._proc = proc
+        # Spawning blocks for a moment, so it runs in a thread; a task, so that a cancelled
+        # start still waits for it to finish before stopping a half-started process.
+        spawning = asyncio.ensure_future(asyncio.to_thread(proc.start))
+        try:
+            await asyncio.shield(spawning)
+            info = await proc.ready
+        except BaseException:
+            if self._proc is proc:
+                self._proc = None
+            await asyncio.gather(spawning, return_exceptions=True)
+            await asyncio.to_thread(proc.stop, 0.0)
+            raise
+        self.info, self.ready, self.last_error = info, True, None
+        return info
+
+    def _on_message(self, proc: _EngineProcess, message: object) -> None:
+        if proc is not self._proc:
+            return  # a late report from a process we have already replaced
+        if isinstance(message, EngineOutputs):
+            self.stats = message.stats
+            for error in message.errors:
+                self._deliver(error.request_id, ValueError(error.message))
+            for delta in message.deltas:
+                self._deliver(delta.request_id, delta)
+        elif isinstance(message, EngineReady):
+            if not proc.ready.done():
+                proc.ready.set_result(message.info)
+        elif isinstance(message, EngineStartFailed):
+            proc.start_error = message.message
+
+    def _deliver(self, request_id: str, item: RequestDelta | Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:  # otherwise its consumer has gone: drop it
+            stream.put_nowait(item)
+
+    def _on_exit(self, proc: _EngineProcess, exitcode: int | None) -> None:
+        if not proc.ready.done():
+            detail = proc.start_error or "see its stderr"
+            message = f"the engine process exited (exit code {exitcode}) before it was ready"
+            proc.ready.set_exception(EngineStartError(f"{message}: {detail}"))
+            return
+        if proc is not self._proc or self._closed:
+            return  # an expected exit (shutdown) or one already handled
+        self.ready, self.stats = False, EngineStats()  # its queues and cache are gone
+        self.last_error = f"the engine process died (exit code {exitcode})"
+        logger.error("%s; %d requests in flight", self.last_error, len(self._streams))
+        self._fail_streams(self.last_error)
+        self._restart_task = self._loop.create_task(self._restart(proc))
+
+    def _fail_streams(self, message: str) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(EngineDeadError(message))
+        self._streams.clear()  # their ids may be reused at once
+
+    async def _restart(self, dead: _EngineProcess) -> None:
+        try:
+            self._proc = None
+            await asyncio.to_thread(dead.close)
+            while not self._closed:
+                if not self._may_restart():
+                    self.last_error += (
+                        f"; gave up after {self.max_restarts} restarts "
+                        f"within {self.restart_window_s:g} s"
+                    )
+                    logger.error(self.last_error)
+                    return
+                self._restart_times.append(time.monotonic())
+                try:
+                    await self._launch()
+                    logger.info("engine process restarted (pid %s)", self.pid)
+                    return
+                except Exception as e:  # EngineStartError, or a failure to spawn at all
+                    self.last_error = str(e)
+                    logger.error("engine restart failed: %s", e)
+        finally:
+            self._restart_task = None
+
+    def _may_restart(self) -> bool:
+        cutoff = time.monotonic() - self.restart_window_s
+        while self._restart_times and self._restart_times[0] < cutoff:
+            self._restart_times.popleft()
+        return len(self._restart_times) < self.max_restarts

@@ -1,0 +1,68 @@
+"""``specserve serve``: the OpenAI-compatible HTTP server on one model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from server.cli_generate import add_model_arguments
+
+API_KEYS_ENV = "SPECSERVE_API_KEYS"
+
+
+def api_keys_from(args: argparse.Namespace) -> list[str]:
+    """--api-key (repeatable) plus $SPECSERVE_API_KEYS (comma-separated)."""
+    keys = list(args.api_key or [])
+    keys += [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    return keys
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.config import EngineConfig
+    from server.app import create_app
+    from server.state import ServerSettings
+
+    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    if args.model:
+        config = config.with_overrides(model=args.model)
+    settings = ServerSettings(
+        config=config,
+        served_model_name=args.served_model_name,
+        api_keys=api_keys_from(args),
+        max_queued_requests=args.max_queued_requests,
+    )
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    uvicorn.run(
+        create_app(settings),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,  # one line per request comes from specserve.requests instead
+    )
+    return 0
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server")
+    add_model_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        action="append",
+        help=f"require this bearer key (repeatable; also ${API_KEYS_ENV}, comma-separated)",
+    )
+    p.add_argument("--served-model-name", help="model id clients use (default: --model)")
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=256,
+        help="requests accepted beyond the running batch before answering 429",
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.set_defaults(func=_cmd_serve)

@@ -1,0 +1,152 @@
+"""One OpenAI request's life in the server: prompts to the engine, tokens back to text.
+
+``RequestRun`` submits every prompt of a request to the engine (``n`` continuations each),
+detokenizes each choice incrementally with its stop strings, records metrics as tokens
+arrive, and yields ``ChoiceEvent``s in arrival order. The HTTP and WebSocket handlers turn
+those events into OpenAI chunk or response objects; they share this code unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.sampling import SampledToken, SamplingParams
+from server.detokenizer import IncrementalDetokenizer
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class ChoiceEvent:
+    index: int  # OpenAI choice index: prompt_index * n + continuation
+    text: str
+    token_ids: list[int]
+    logprobs: list[SampledToken] | None
+    finish_reason: str | None = None  # "stop" | "length"
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+@dataclass
+class RequestRun:
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    stop: list[str]
+    client: object  # AsyncEngineClient
+    tokenizer: object
+    metrics: ServerMetrics
+    arrival: float = field(default_factory=time.time)
+    usage: Usage = field(default_factory=Usage)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """All choices' events, interleaved as they arrive; ends when every choice is done."""
+        if len(self.prompts) == 1:
+            async for event in self._prompt_events(0):
+                yield event
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.prompts))]
+        try:
+            for _ in range(len(tasks)):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pump(self, prompt_index: int, queue: asyncio.Queue) -> None:
+        try:
+            async for event in self._prompt_events(prompt_index):
+                await queue.put(event)
+        except Exception as e:  # handed to the consumer, which re-raises it
+            await queue.put(e)
+        await queue.put(None)
+
+    async def _prompt_events(self, prompt_index: int) -> AsyncIterator[ChoiceEvent]:
+        prompt = self.prompts[prompt_index]
+        n = self.params.n
+        # Their text is held back until the engine says whether they ended the choice.
+        stop_ids = set(self.params.stop_token_ids) | set(self.client.info.eos_token_ids)
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, prompt, self.stop, stop_token_ids=stop_ids)
+            for _ in range(n)
+        ]
+        open_choices = set(range(n))
+        clock = _TokenClock(self.metrics, self.arrival, len(prompt))
+        stream = self.client.generate(f"{self.request_id}-{prompt_index}", prompt, self.params)
+        # aclosing: leaving the loop early (stop strings, disconnects) aborts at once.
+        async with contextlib.aclosing(stream):
+            async for delta in stream:
+                if clock.on_delta(delta):
+                    self.usage.prompt_tokens += len(prompt)
+                for c in delta.choices:
+                    if c.index not in open_choices:
+                        continue  # already ended by a stop string
+                    event = self._choice_event(prompt_index * n + c.index, detoks[c.index], c)
+                    if event.finish_reason is not None:
+                        open_choices.discard(c.index)
+                        self._finish(event.index, event.finish_reason, detoks[c.index])
+                    yield event
+                if not open_choices:
+                    break
+
+    def _choice_event(self, index: int, detok: IncrementalDetokenizer, c) -> ChoiceEvent:
+        piece = detok.push(c.new_token_ids)
+        text, finish = piece.text, None
+        if piece.stopped:
+            finish = "stop"
+        elif c.finish_reason is not None:
+            text += detok.finish(drop_last_token=c.finish_reason == "stop")
+            finish = "stop" if c.finish_reason == "stop" else "length"
+        return ChoiceEvent(index, text, list(c.new_token_ids), c.new_logprobs, finish)
+
+    def _finish(self, index: int, reason: str, detok: IncrementalDetokenizer) -> None:
+        self.finish_reasons[index] = reason
+        self.usage.completion_tokens += detok.token_count
+        self.metrics.on_finished(reason, time.time() - self.arrival, detok.token_count)
+
+
+class _TokenClock:
+    """Latency metrics of one engine request: TTFT and queue time once, then gaps."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, prompt_tokens: int):
+        self.metrics = metrics
+        self.arrival = arrival
+        self.prompt_tokens = prompt_tokens
+        self.last: float | None = None
+
+    def on_delta(self, delta) -> bool:
+        """Record a delta's tokens; True when it carried the request's first token."""
+        new_tokens = sum(len(c.new_token_ids) for c in delta.choices)
+        if not new_tokens:
+            return False
+        now = time.time()
+        first = self.last is None
+        if first:
+            scheduled = delta.first_scheduled_time
+            queue_time = None if scheduled is None else scheduled - self.arrival
+            self.metrics.on_first_token(now - self.arrival, queue_time, self.prompt_tokens)
+            self.metrics.on_tokens(new_tokens, None)
+        else:
+            self.metrics.on_tokens(new_tokens, now - self.last)
+        self.last = now
+        return first

@@ -1,0 +1,146 @@
+"""Prometheus metrics, named as vLLM names them (``specserve:`` prefix, ``model_name`` label).
+
+Request-level figures are counted in the server where the events happen (tokens arriving,
+requests finishing). Engine-level figures (queue lengths, KV usage, preemptions, prefix-cache
+lookups) are read from the engine process's latest stats snapshot at scrape time; its
+cumulative counters restart at zero when the engine process is restarted, so the collector
+carries the totals across restarts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "specserve:"
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+
+class _RestartSafeTotal:
+    """A cumulative engine counter that survives the engine process starting again."""
+
+    def __init__(self):
+        self.base = 0
+        self.last = 0
+
+    def update(self, value: int) -> int:
+        if value < self.last:  # the engine restarted from zero
+            self.base += self.last
+        self.last = value
+        return self.base + value
+
+
+class EngineStatsCollector(Collector):
+    def __init__(self, model_name: str, stats: Callable[[], object | None]):
+        self.model_name = model_name
+        self.stats = stats
+        self.totals = {
+            k: _RestartSafeTotal()
+            for k in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+        }
+
+    def collect(self):
+        s = self.stats()
+        labels = ["model_name"]
+        gauges = {
+            "num_requests_running": ("Requests in the engine's running batch", "num_running"),
+            "num_requests_waiting": ("Requests waiting to be scheduled", "num_waiting"),
+            "kv_cache_usage_perc": ("KV-cache usage, 1 means 100 percent", "kv_cache_usage"),
+        }
+        for name, (doc, attr) in gauges.items():
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            g.add_metric([self.model_name], float(getattr(s, attr, 0) if s else 0))
+            yield g
+        counters = {
+            "num_preemptions": "Preemptions by recompute",
+            "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+            "prefix_cache_hits": "Prompt tokens found in the prefix cache",
+        }
+        for attr, doc in counters.items():
+            c = CounterMetricFamily(PREFIX + attr, doc, labels=labels)
+            value = self.totals[attr].update(int(getattr(s, attr, 0) if s else 0))
+            c.add_metric([self.model_name], value)
+            yield c
+
+
+class ServerMetrics:
+    """All metrics of one served model, in a registry of their own."""
+
+    def __init__(self, model_name: str, engine_stats: Callable[[], object | None]):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg, labels = self.registry, ["model_name"]
+
+        def counter(name, doc, extra=()):
+            return Counter(PREFIX + name, doc, labels + list(extra), registry=reg)
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=reg)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prefill tokens processed")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens")
+        self.request_success = counter(
+            "request_success", "Finished requests", extra=["finished_reason"]
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens", LATENCY_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency", LATENCY_BUCKETS)
+        self.queue_time = histogram(
+            "request_queue_time_seconds", "Time waiting before first scheduled", LATENCY_BUCKETS
+        )
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS
+        )
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS
+        )
+        reg.register(EngineStatsCollector(model_name, engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # Event hooks, called by the request handlers.
+    def on_tokens(self, count: int, seconds_since_previous: float | None) -> None:
+        self.generation_tokens.labels(self.model_name).inc(count)
+        if seconds_since_previous is not None and count:
+            # A step that brings several tokens (later: accepted drafts) spreads its gap.
+            for _ in range(count):
+                self.itl.labels(self.model_name).observe(seconds_since_previous / count)
+
+    def on_first_token(self, ttft: float, queue_time: float | None, prompt_tokens: int) -> None:
+        self.ttft.labels(self.model_name).observe(ttft)
+        if queue_time is not None:
+            self.queue_time.labels(self.model_name).observe(max(0.0, queue_time))
+        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
+        self.request_prompt_tokens.labels(self.model_name).observe(prompt_tokens)
+
+    def on_finished(self, reason: str, e2e: float, generated_tokens: int) -> None:
+        self.request_success.labels(self.model_name, reason).inc()
+        self.e2e.labels(self.model_name).observe(e2e)
+        self.request_generation_tokens.labels(self.model_name).observe(generated_tokens)

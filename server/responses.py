@@ -1,0 +1,54 @@
+"""OpenAI response and stream-chunk objects built from ``ChoiceEvent``s."""
+
+from __future__ import annotations
+
+from engine.sampling import SampledToken
+from server.detokenizer import token_bytes, token_text
+
+
+def chat_logprobs(tokenizer, tokens: list[SampledToken] | None) -> dict | None:
+    if tokens is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict:
+        text = token_text(tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
+
+    return {
+        "content": [
+            {
+                **entry(t.token_id, t.logprob),
+                "top_logprobs": [entry(i, lp) for i, lp in (t.top_logprobs or [])],
+            }
+            for t in tokens
+        ]
+    }
+
+
+def completion_logprobs(tokenizer, tokens: list[SampledToken] | None, offset: int) -> dict | None:
+    """The legacy completions shape; ``offset`` is the text length before these tokens."""
+    if tokens is None:
+        return None
+    texts = [token_text(tokenizer, t.token_id) for t in tokens]
+    offsets, position = [], offset
+    for text in texts:
+        offsets.append(position)
+        position += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [
+            {token_text(tokenizer, i): lp for i, lp in (t.top_logprobs or [])} for t in tokens
+        ],
+        "text_offset": offsets,
+    }
+
+
+def merge_logprobs(parts: list[dict | None], chat: bool) -> dict | None:
+    """Concatenate the per-event logprobs of one choice for a non-streaming response."""
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    if chat:
+        return {"content": [e for p in present for e in p["content"]]}
+    return {key: [v for p in present for v in p[key]] for key in present[0]}

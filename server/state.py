@@ -1,0 +1,119 @@
+"""What the server holds for its one served model, and the checks every request goes through."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.core_process import AsyncEngineClient
+
+from engine.config import EngineConfig
+from server.errors import APIError
+from server.metrics import ServerMetrics
+
+log = logging.getLogger("specserve")
+
+
+@dataclass
+class ServerSettings:
+    config: EngineConfig
+    served_model_name: str | None = None  # default: the config's model
+    api_keys: list[str] = field(default_factory=list)
+    # Requests accepted beyond those the engine can run at once before answering 429.
+    max_queued_requests: int = 256
+    max_engine_restarts: int = 3
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.config.model
+
+
+class ServerState:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.client = AsyncEngineClient(settings.config, max_restarts=settings.max_engine_restarts)
+        self.metrics = ServerMetrics(settings.model_name, lambda: self.client.stats)
+        self.tokenizer = None
+        self.created = int(time.time())
+        self._starting: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Start the engine in the background: /health answers 503 until it is ready."""
+        self._starting = asyncio.create_task(self._start())
+
+    async def _start(self) -> None:
+        from engine.llm import load_tokenizer
+
+        info = await self.client.start()
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
+        log.info("engine ready: %s (context %d tokens)", info.model_dir, info.max_model_len)
+
+    async def stop(self) -> None:
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+        await self.client.shutdown()
+
+    @property
+    def ready(self) -> bool:
+        return self.client.ready and self.tokenizer is not None
+
+    # ---- checks, in the order a request meets them ---------------------------------------
+    def check_model(self, model: str) -> None:
+        if model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"The model `{model}` does not exist. Served: {self.settings.model_name}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def check_ready(self) -> None:
+        if not self.ready:
+            raise APIError(
+                503,
+                "The engine is not ready (loading or restarting); retry shortly",
+                headers={"Retry-After": "1"},
+            )
+
+    def check_capacity(self) -> None:
+        limit = self.settings.config.scheduler.max_num_seqs + self.settings.max_queued_requests
+        if self.client.num_in_flight >= limit:
+            raise APIError(
+                429,
+                f"Too many requests: {self.client.num_in_flight} in flight "
+                f"(limit {limit}); retry later",
+                headers={"Retry-After": "1"},
+            )
+
+    def check_context(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """Returns max_tokens, or raises 400 stating both numbers when they do not fit."""
+        context = self.client.info.max_model_len
+        if prompt_tokens >= context or (
+            max_tokens is not None and prompt_tokens + max_tokens > context
+        ):
+            requested = prompt_tokens + (max_tokens or 1)
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context} tokens. However, you "
+                f"requested {requested} tokens ({prompt_tokens} in the prompt, "
+                f"{max_tokens if max_tokens is not None else 1} for the completion). Please "
+                "reduce the length of the prompt or of max_tokens.",
+                param="max_tokens" if prompt_tokens < context else "messages",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    def check_api_key(self, authorization: str | None) -> None:
+        keys = self.settings.api_keys
+        if not keys:
+            return
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        if token not in keys:
+            raise APIError(
+                401,
+                "Invalid or missing API key (Authorization: Bearer <key>)",
+                code="invalid_api_key",
+            )

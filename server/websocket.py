@@ -1,0 +1,127 @@
+"""WebSocket streaming: several requests on one connection, each cancellable.
+
+Protocol (documented in the README):
+- client -> server: a chat or completions request body (``messages`` or ``prompt``) plus a
+  client-chosen ``request_id``; or ``{"type": "cancel", "request_id": ...}``.
+- server -> client: the same chunk objects as SSE, each with the ``request_id`` added, then
+  ``{"type": "done", "request_id": ...}`` (``"cancelled": true`` after a cancel); a request
+  that fails gets ``{"type": "error", "request_id": ..., "error": {OpenAI error}}`` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from pydantic import ValidationError
+
+from engine.core_process import EngineDeadError, EngineNotReadyError
+from server.errors import APIError, error_body
+from server.handlers import prepare_chat, prepare_completion, stream_chunks
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+
+class _Connection:
+    def __init__(self, ws: WebSocket, state: ServerState):
+        self.ws = ws
+        self.state = state
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.send_lock = asyncio.Lock()  # one frame at a time from concurrent requests
+
+    async def send(self, message: dict) -> None:
+        async with self.send_lock:
+            await self.ws.send_text(json.dumps(message))
+
+    async def error(self, request_id, status: int, message: str, param=None) -> None:
+        body = error_body(status, message, param)
+        await self.send({"type": "error", "request_id": request_id, **body})
+
+    async def handle(self, message: dict) -> None:
+        request_id = message.get("request_id")
+        if not isinstance(request_id, str) or not request_id:
+            await self.error(
+                request_id, 400, "request_id (a non-empty string) is required", "request_id"
+            )
+            return
+        if message.get("type") == "cancel":
+            task = self.tasks.get(request_id)
+            if task is not None:
+                task.cancel()
+            return
+        if request_id in self.tasks:
+            await self.error(
+                request_id, 400, f"request_id {request_id!r} is already in flight", "request_id"
+            )
+            return
+        try:
+            prepared = self._prepare(message)
+        except APIError as e:
+            await self.error(request_id, e.status, e.message, e.param)
+            return
+        task = asyncio.create_task(self._stream(request_id, prepared))
+        self.tasks[request_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
+
+    def _prepare(self, message: dict):
+        body = {k: v for k, v in message.items() if k not in ("request_id", "type")}
+        try:
+            if "messages" in body:
+                return prepare_chat(self.state, ChatCompletionRequest.model_validate(body))
+            if "prompt" in body:
+                return prepare_completion(self.state, CompletionRequest.model_validate(body))
+        except ValidationError as e:
+            first = e.errors()[0]
+            param = ".".join(str(p) for p in first["loc"]) or None
+            raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+        raise APIError(400, "a request needs `messages` (chat) or `prompt` (completions)")
+
+    async def _stream(self, request_id: str, prepared) -> None:
+        try:
+            async for chunk in stream_chunks(prepared):
+                await self.send({**chunk, "request_id": request_id})
+            await self.send({"type": "done", "request_id": request_id})
+        except asyncio.CancelledError:
+            # Leaving stream_chunks aborted the engine request; tell the client it ended.
+            with contextlib.suppress(Exception):
+                await self.send({"type": "done", "request_id": request_id, "cancelled": True})
+        except (EngineDeadError, EngineNotReadyError) as e:
+            await self.error(request_id, 503, str(e))
+        except ValueError as e:
+            await self.error(request_id, 400, str(e))
+
+    async def close(self) -> None:
+        for task in list(self.tasks.values()):
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+
+def install_websocket(app: FastAPI, state: ServerState) -> None:
+    @app.websocket("/v1/ws")
+    async def websocket_endpoint(ws: WebSocket):
+        auth = ws.headers.get("authorization")
+        await ws.accept()
+        try:
+            state.check_api_key(auth)
+        except APIError as e:
+            await ws.send_text(json.dumps({"type": "error", **error_body(401, e.message)}))
+            await ws.close(code=1008)
+            return
+        conn = _Connection(ws, state)
+        try:
+            while True:
+                raw = await ws.receive_text()
+                try:
+                    message = json.loads(raw)
+                    if not isinstance(message, dict):
+                        raise ValueError("not an object")
+                except ValueError:
+                    await conn.error(None, 400, "each message must be a JSON object")
+                    continue
+                await conn.handle(message)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            await conn.close()  # a disconnect aborts everything still in flight

@@ -1,0 +1,120 @@
+"""Every error status the server answers, in OpenAI's shape, before any stream starts."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.server_process import ServerProcess
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Hi"}]
+KEY = "sk-test-secret"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model_dir, tmp_path_factory):
+    """One running sequence at most and no queue: the second concurrent request gets 429."""
+    tmp = tmp_path_factory.mktemp("restricted")
+    config = tmp / "config.yaml"
+    config.write_text(
+        f"model: {tiny_chat_model_dir}\nscheduler:\n  max_num_seqs: 1\n  max_model_len: 1024\n"
+    )
+    proc = ServerProcess(
+        "--config",
+        str(config),
+        "--served-model-name",
+        MODEL,
+        "--max-queued-requests",
+        "0",
+        env={"SPECSERVE_API_KEYS": KEY},
+        log_path=tmp / "server.log",
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()
+
+
+def post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def assert_openai_error(r: httpx.Response, status: int, param=None, contains=""):
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert contains in err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"temperature": "hot"}, "temperature"),  # pydantic's error, as a 400 not a 422
+        ({"n": 0}, "n"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_invalid_parameters_are_400_even_when_streaming(server, extra, param, stream):
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "stream": stream, **extra},
+    )
+    assert_openai_error(r, 400, param=param)
+
+
+def test_missing_messages_is_400(server):
+    assert_openai_error(post(server, "/v1/chat/completions", {"model": MODEL}), 400, "messages")
+
+
+def test_context_length_error_states_both_numbers(server):
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1030, "stream": True}
+    r = post(server, "/v1/completions", body)
+    err = assert_openai_error(r, 400, contains="maximum context length is 1024 tokens")
+    assert "1030" in err["message"] and err["code"] == "context_length_exceeded"
+
+
+def test_unknown_model_is_404(server):
+    r = post(server, "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT})
+    assert_openai_error(r, 404, param="model", contains="gpt-9")
+
+
+@pytest.mark.parametrize("key", [None, "wrong"])
+def test_missing_or_wrong_api_key_is_401(server, key):
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT}, key=key)
+    assert_openai_error(r, 401)
+    assert httpx.get(server.url + "/v1/models", timeout=10).status_code == 401
+    # Health and metrics stay open for probes and scrapers.
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_full_queue_is_429_with_retry_after(server):
+    # ~1000 decode steps: still running when the second request arrives right after.
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=body, headers=headers, timeout=60
+    ) as long_running:
+        assert long_running.status_code == 200
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "b", "max_tokens": 2})
+        assert_openai_error(r, 429)
+        assert r.headers["retry-after"] == "1"
+    # Once the first is gone (disconnected and aborted), requests are accepted again.
+    for _ in range(50):
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "b", "max_tokens": 2})
+        if r.status_code == 200:
+            break
+        time.sleep(0.1)
+    assert r.status_code == 200
