@@ -19,12 +19,12 @@ from multiprocessing.connection import Pipe
 import pytest
 
 from engine import LLM, EngineConfig, SamplingParams
+from engine.core_loop import run_engine_core
 from engine.core_process import (
     AsyncEngineClient,
     EngineDeadError,
     EngineNotReadyError,
     EngineStartError,
-    run_engine_core,
 )
 from engine.core_protocol import AddRequest, EngineReady, RequestDelta
 
@@ -298,7 +298,7 @@ def test_exception_in_step_logs_traceback_and_exits_nonzero(monkeypatch, capsys)
         def step(self):
             raise RuntimeError("boom in step")
 
-    monkeypatch.setattr("engine.core_process.create_engine", lambda config: (FailingEngine(), "/m"))
+    monkeypatch.setattr("engine.core_loop.create_engine", lambda config: (FailingEngine(), "/m"))
     server_end, engine_end = Pipe()
     server_end.send(AddRequest("r", [1], SamplingParams()))
     with pytest.raises(SystemExit) as excinfo:

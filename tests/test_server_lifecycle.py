@@ -117,7 +117,7 @@ def test_engine_crash_is_noticed_and_recovered(server):
     with pytest.raises(openai.APIError):
         for _ in stream:  # the in-flight stream ends with an error event
             pass
-    assert time.monotonic() - killed_at < 3
+    assert time.monotonic() - killed_at < 2  # noticed within about a second
     # /health goes to 503 while the engine restarts; requests meanwhile are refused with 503.
     deadline = time.monotonic() + 3
     while server.health() != 503:
