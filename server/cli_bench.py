@@ -26,6 +26,21 @@ def _cmd_bench_linear(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from server.bench_serve import run_serve_bench
+
+    run_serve_bench(
+        args.model,
+        args.config,
+        args.concurrency,
+        args.requests or args.concurrency,
+        args.max_tokens,
+        with_baseline=not args.no_baseline,
+        url=args.url,
+    )
+    return 0
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks")
     which = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -44,3 +59,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "linear", help="GB/s of F.linear vs transposed matmul vs oneDNN for SmolLM2's shapes"
     )
     linear.set_defaults(func=_cmd_bench_linear)
+    serve = which.add_parser(
+        "serve",
+        help="concurrent streaming chat: throughput, TTFT and ITL vs transformers serve",
+    )
+    serve.add_argument("--model", help="model (default: the embedded SmolLM2)")
+    serve.add_argument("--config", help="engine config YAML for specserve")
+    serve.add_argument("--concurrency", type=int, default=8)
+    serve.add_argument("--requests", type=int, help="total requests (default: --concurrency)")
+    serve.add_argument("--max-tokens", type=int, default=64)
+    serve.add_argument("--url", help="benchmark an already running specserve at this URL")
+    serve.add_argument("--no-baseline", action="store_true", help="skip transformers serve")
+    serve.set_defaults(func=_cmd_bench_serve)

@@ -68,3 +68,30 @@ def test_bench_offline_prints_ratios_and_floor(smollm2_path):
     out = result.stdout
     assert "memory read bandwidth" in out and "of the bandwidth floor" in out
     assert "| decode tok/s, batch 2 |" in out and "x |" in out
+
+
+def test_bench_serve_reports_percentiles(tiny_chat_model_dir, tmp_path):
+    result = subprocess.run(
+        [
+            *SPECSERVE,
+            "bench",
+            "serve",
+            "--model",
+            str(tiny_chat_model_dir),
+            "--no-baseline",
+            "--concurrency",
+            "2",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| specserve |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[1]) > 0 and float(cells[3]) > 0  # output tokens, tokens/s
+    assert cells[4].count("/") == 2 and cells[5].count("/") == 2  # p50/p90/p99

@@ -1,0 +1,234 @@
+"""Serving benchmark: concurrent streaming chat requests against specserve and, in the same run,
+against ``transformers serve --continuous-batching`` on the same model.
+
+Reports output tokens/s over the whole load, and p50/p90/p99 of time to first token and of
+inter-token latency (gaps between content chunks). Output tokens are counted by tokenizing each
+response's text with the model's tokenizer, so both servers are measured the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from engine.bench import TOPICS
+
+TRANSFORMERS_CLI = os.path.join(os.path.dirname(sys.executable), "transformers")
+
+
+@dataclass
+class StreamResult:
+    ttft: float
+    gaps: list[float]
+    text: str
+
+
+@dataclass
+class LoadResult:
+    name: str
+    wall: float
+    results: list[StreamResult] = field(default_factory=list)
+
+    def output_tokens(self, tokenizer) -> int:
+        return sum(len(tokenizer.encode(r.text, add_special_tokens=False)) for r in self.results)
+
+
+def chat_messages(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"Tell me a story about {TOPICS[i % len(TOPICS)]}."}]
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> StreamResult:
+    start = time.perf_counter()
+    ttft, last, gaps, text = None, None, [], []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            content = "".join(c.get("delta", {}).get("content") or "" for c in chunk["choices"])
+            if not content:
+                continue
+            now = time.perf_counter()
+            if ttft is None:
+                ttft = now - start
+            else:
+                gaps.append(now - last)
+            last = now
+            text.append(content)
+    return StreamResult(ttft if ttft is not None else float("nan"), gaps, "".join(text))
+
+
+async def run_load(
+    name: str, url: str, model: str, concurrency: int, requests: int, max_tokens: int
+) -> LoadResult:
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def task(i: int) -> StreamResult:
+            body = {
+                "model": model,
+                "messages": chat_messages(i),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+            }
+            async with gate:
+                return await one_stream(client, url, body)
+
+        # One request first, unmeasured: both servers do lazy set-up on their first request.
+        warm = {"model": model, "messages": chat_messages(0), "max_tokens": 4, "stream": True}
+        await one_stream(client, url, warm)
+        start = time.perf_counter()
+        results = await asyncio.gather(*(task(i) for i in range(requests)))
+        return LoadResult(name, time.perf_counter() - start, list(results))
+
+
+def percentiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        v = values[0] if values else float("nan")
+        return v, v, v
+    q = statistics.quantiles(values, n=100, method="inclusive")
+    return q[49], q[89], q[98]
+
+
+def report(load: LoadResult, tokenizer) -> dict[str, float]:
+    tokens = load.output_tokens(tokenizer)
+    ttft = percentiles([r.ttft for r in load.results])
+    itl = percentiles([g for r in load.results for g in r.gaps])
+    row = {"tokens_per_s": tokens / load.wall, "ttft": ttft, "itl": itl, "tokens": tokens}
+    print(
+        f"| {load.name} | {tokens} | {load.wall:.1f} | {row['tokens_per_s']:.1f} | "
+        f"{ttft[0] * 1e3:.0f} / {ttft[1] * 1e3:.0f} / {ttft[2] * 1e3:.0f} | "
+        f"{itl[0] * 1e3:.0f} / {itl[1] * 1e3:.0f} / {itl[2] * 1e3:.0f} |"
+    )
+    return row
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: list[str], url: str, log_path: str, timeout: float = 300):
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[0]} exited early; see {log_path}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise TimeoutError(f"{' '.join(cmd)} did not become healthy; see {log_path}")
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def run_serve_bench(
+    model: str | None,
+    config: str | None,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    with_baseline: bool,
+    url: str | None,
+    log_dir: str = "/tmp",
+) -> None:
+    """The same load against specserve (started here unless ``url`` is given) and then
+    against ``transformers serve --continuous-batching``, one server at a time."""
+    from engine.llm import load_tokenizer
+    from engine.models.pull import resolve_model
+
+    model_dir = str(resolve_model(model or "smollm2-135m-instruct"))
+    tokenizer = load_tokenizer(Path(model_dir))
+    print(
+        f"model {model_dir}; {requests} streaming chat requests, {concurrency} concurrent, "
+        f"max_tokens {max_tokens}, greedy\n"
+    )
+    print(
+        "| server | output tokens | wall s | output tok/s | TTFT p50/p90/p99 ms | "
+        "ITL p50/p90/p99 ms |\n|---|---|---|---|---|---|"
+    )
+
+    def measure(name: str, cmd: list[str] | None, server_url: str, model_name: str):
+        proc = None
+        if cmd is not None:
+            proc = start_server(cmd, server_url, f"{log_dir}/{name.split()[0]}-bench-serve.log")
+        try:
+            load = asyncio.run(
+                run_load(name, server_url, model_name, concurrency, requests, max_tokens)
+            )
+            return report(load, tokenizer)
+        finally:
+            if proc is not None:
+                stop_server(proc)
+
+    if url is not None:
+        ours = measure("specserve", None, url, "bench")
+    else:
+        port = free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            model_dir,
+            "--served-model-name",
+            "bench",
+        ]
+        cmd += ["--config", config] if config else []
+        ours = measure("specserve", cmd, f"http://127.0.0.1:{port}", "bench")
+    if not with_baseline:
+        return
+    port = free_port()
+    cmd = [
+        TRANSFORMERS_CLI,
+        "serve",
+        model_dir,
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+    ]
+    theirs = measure(
+        "transformers serve --continuous-batching", cmd, f"http://127.0.0.1:{port}", model_dir
+    )
+    throughput = ours["tokens_per_s"] / theirs["tokens_per_s"]
+    ttft = theirs["ttft"][0] / ours["ttft"][0]
+    print(
+        f"\nspecserve vs transformers: {throughput:.2f}x output tok/s, {ttft:.2f}x lower p50 TTFT"
+    )
