@@ -98,7 +98,10 @@ class _CoreLoop:
                 )
             except ValueError as e:  # the request never starts; the engine carries on
                 out.errors.append(RequestError(command.request_id, str(e)))
-        elif isinstance(command, AbortRequest):
+        elif command.choice_index is not None:
+            # Frees the sequence's blocks now; this iteration's step reports the "abort".
+            self.engine.abort_sequence(command.request_id, command.choice_index)
+        else:
             # Engine.abort frees the request's blocks now, before the next step.
             final = self.engine.abort(command.request_id)
             if final is not None:

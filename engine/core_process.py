@@ -6,7 +6,8 @@ process it would stall every other stream and the health checks. The child runs
 the step's deltas and a stats snapshot. The parent side, ``AsyncEngineClient``, never runs model
 code and never blocks its event loop: two small threads own the pipe (see ``_EngineProcess``).
 
-The child side lives in ``engine.core_loop``.
+The child side lives in ``engine.core_loop``; it is imported only where a process is created,
+so importing this module loads neither the engine nor torch.
 The child is spawned, not forked: a fork would copy the server's threads, event loop and torch
 thread pool mid-flight. As with any spawn, a script that starts a client must guard its entry
 point with ``if __name__ == "__main__":``. Messages and errors live in ``engine.core_protocol``.
@@ -15,6 +16,7 @@ point with ``if __name__ == "__main__":``. Messages and errors live in ``engine.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import queue
@@ -23,9 +25,9 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core_loop import run_engine_core
 from engine.core_protocol import (
     AbortRequest,
     AddRequest,
@@ -40,7 +42,9 @@ from engine.core_protocol import (
     RequestDelta,
     Shutdown,
 )
-from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.sampling import SamplingParams
 
 __all__ = [
     "AsyncEngineClient",
@@ -73,6 +77,9 @@ class _EngineProcess:
         on_message: Callable[[_EngineProcess, object], None],
         on_exit: Callable[[_EngineProcess, int | None], None],
     ):
+        # Here, not at the top: the child's side imports the engine and torch.
+        from engine.core_loop import run_engine_core
+
         ctx = multiprocessing.get_context("spawn")
         self._conn, self._child_conn = ctx.Pipe(duplex=True)
         # daemon: if the server exits without shutdown(), multiprocessing still ends the child.
@@ -88,6 +95,10 @@ class _EngineProcess:
         self._writer = threading.Thread(target=self._write, name="engine-writer", daemon=True)
         self.ready: asyncio.Future[EngineInfo] = loop.create_future()
         self.start_error: str | None = None  # what the child said before exiting, if anything
+        # Set on the event loop when the reader reports the exit; until then the process may
+        # be dead already, but no event-loop code has been told.
+        self.exited = False
+        self.exit_code: int | None = None
         # start/stop/close may race (a shutdown while a cancelled start is unwinding): the lock
         # makes them take turns, and stop/close idempotent.
         self._lock = threading.Lock()
@@ -181,6 +192,8 @@ class AsyncEngineClient:
     process, at most ``max_restarts`` times within any ``restart_window_s`` seconds (a sliding
     window, so an engine that crashes once a day is always restarted while a crash loop is
     not). ``ready`` is False while (re)starting and after giving up; ``last_error`` says why.
+    ``stats`` is the current engine process's latest snapshot; ``totals`` carries its counters
+    across restarts.
     """
 
     def __init__(
@@ -192,6 +205,7 @@ class AsyncEngineClient:
         self.ready = False
         self.info: EngineInfo | None = None
         self.stats = EngineStats()  # the latest snapshot from the engine
+        self._counters_base = EngineStats()  # the counters of the engine processes that died
         self.last_error: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._proc: _EngineProcess | None = None
@@ -209,12 +223,20 @@ class AsyncEngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def totals(self) -> EngineStats:
+        """``stats`` with its counters summed over every engine process this client has run
+        (the gauges are the current process's)."""
+        return dataclasses.replace(self.stats, **_sum_counters(self._counters_base, self.stats))
+
     # ---- lifecycle ---------------------------------------------------------------------
     async def start(self) -> EngineInfo:
         """Spawn the engine process and wait until it has loaded the model.
 
         Raises ``EngineStartError`` (with the exit code and the child's error) if the process
-        exits first. Waiting happens off the event loop, which stays responsive.
+        exits first, or before this coroutine has taken its ready report (a crash in its first
+        step): such a start is not retried. Waiting happens off the event loop, which stays
+        responsive.
         """
         if self._closed or self._proc is not None:
             raise RuntimeError("start() may be called once, before shutdown()")
@@ -263,7 +285,9 @@ class AsyncEngineClient:
         wrap the iterator in ``contextlib.aclosing`` to make that happen at once on ``break``
         rather than when the generator is garbage-collected.
         """
-        if not self.ready or self._proc is None:
+        if not self.ready or self._proc is None or self._proc.exited:
+            # An exited process would never answer, and its exit has already failed every
+            # stream it had: a stream registered now would wait forever.
             raise EngineNotReadyError(self.last_error or "the engine is not ready")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
@@ -285,10 +309,16 @@ class AsyncEngineClient:
             if not done and proc is self._proc:
                 proc.send(AbortRequest(request_id))
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream then ends with a delta whose finish_reason is "abort"."""
+    async def abort(self, request_id: str, choice_index: int | None = None) -> None:
+        """Abort a request, or only its continuation ``choice_index``; the others go on.
+
+        Each choice aborted this way then appears once more in the request's stream, in a
+        ``ChoiceDelta`` with no new tokens and finish_reason "abort"; the stream ends when its
+        last choice has finished. Deltas the engine produced before the command reached it
+        still arrive first. A choice (or request) that had already finished is left alone.
+        """
         if self._proc is not None and self.ready:
-            self._proc.send(AbortRequest(request_id))
+            self._proc.send(AbortRequest(request_id, choice_index))
 
     # ---- engine process management -----------------------------------------------------
     async def _launch(self) -> EngineInfo:
@@ -301,6 +331,13 @@ class AsyncEngineClient:
         try:
             await asyncio.shield(spawning)
             info = await proc.ready
+            if proc.exited or proc is not self._proc:
+                # It died between its ready report and now (e.g. in its first step): _on_exit
+                # left it to us, as a failed start.
+                raise EngineStartError(
+                    f"the engine process exited (exit code {proc.exit_code}) right after it "
+                    f"was ready: {proc.start_error or 'see its stderr'}"
+                )
         except BaseException:
             if self._proc is proc:
                 self._proc = None
@@ -331,18 +368,26 @@ class AsyncEngineClient:
             stream.put_nowait(item)
 
     def _on_exit(self, proc: _EngineProcess, exitcode: int | None) -> None:
+        proc.exited, proc.exit_code = True, exitcode
         if not proc.ready.done():
             detail = proc.start_error or "see its stderr"
             message = f"the engine process exited (exit code {exitcode}) before it was ready"
             proc.ready.set_exception(EngineStartError(f"{message}: {detail}"))
-            return
         if proc is not self._proc or self._closed:
             return  # an expected exit (shutdown) or one already handled
-        self.ready, self.stats = False, EngineStats()  # its queues and cache are gone
+        # Its queues and cache are gone; its counters live on in the totals.
+        self._counters_base = EngineStats(**_sum_counters(self._counters_base, self.stats))
+        self.stats = EngineStats()
+        if not self.ready:
+            return  # _launch has not taken it into service yet: it raises EngineStartError
+        self.ready = False
         self.last_error = f"the engine process died (exit code {exitcode})"
         logger.error("%s; %d requests in flight", self.last_error, len(self._streams))
         self._fail_streams(self.last_error)
-        self._restart_task = self._loop.create_task(self._restart(proc))
+        # A restart task ends in the same step as the _launch that takes its process into
+        # service, so none runs here; never start a second that shutdown() could not cancel.
+        if self._restart_task is None:
+            self._restart_task = self._loop.create_task(self._restart(proc))
 
     def _fail_streams(self, message: str) -> None:
         for stream in self._streams.values():
@@ -351,7 +396,8 @@ class AsyncEngineClient:
 
     async def _restart(self, dead: _EngineProcess) -> None:
         try:
-            self._proc = None
+            if self._proc is dead:
+                self._proc = None
             await asyncio.to_thread(dead.close)
             while not self._closed:
                 if not self._may_restart():
@@ -370,10 +416,15 @@ class AsyncEngineClient:
                     self.last_error = str(e)
                     logger.error("engine restart failed: %s", e)
         finally:
-            self._restart_task = None
+            if self._restart_task is asyncio.current_task():
+                self._restart_task = None
 
     def _may_restart(self) -> bool:
         cutoff = time.monotonic() - self.restart_window_s
         while self._restart_times and self._restart_times[0] < cutoff:
             self._restart_times.popleft()
         return len(self._restart_times) < self.max_restarts
+
+
+def _sum_counters(a: EngineStats, b: EngineStats) -> dict[str, int]:
+    return {name: getattr(a, name) + getattr(b, name) for name in EngineStats.COUNTERS}

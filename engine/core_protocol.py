@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -47,7 +47,17 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """A snapshot taken after every step; counts are of requests, not sequences."""
+    """A snapshot taken after every step; counts are of requests, not sequences.
+
+    The counters (``COUNTERS``) are cumulative over one engine process's life; the other
+    fields are gauges of its state now.
+    """
+
+    COUNTERS: ClassVar[tuple[str, ...]] = (
+        "num_preemptions",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+    )
 
     num_running: int = 0  # requests with at least one sequence in the running queue
     num_waiting: int = 0  # unfinished requests with none running (queued or preempted)
@@ -105,7 +115,14 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class AbortRequest:
+    """End a whole request, or only its continuation ``choice_index`` (the others go on).
+
+    Either way the aborted choices are then reported once, with finish_reason "abort" and no
+    new tokens; a choice that had already finished is left as it was (its reason was sent).
+    """
+
     request_id: str
+    choice_index: int | None = None
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ class Engine:
 
     ``add_request`` queues token ids with their sampling parameters, ``step`` runs one
     scheduled forward pass and returns the requests that progressed, ``abort`` ends a
-    request at any time and frees its blocks.
+    request at any time and frees its blocks, ``abort_sequence`` ends one of its ``n``
+    continuations.
     """
 
     def __init__(self, config: EngineConfig, model: LlamaModel, eos_token_ids: Iterable[int]):
@@ -77,6 +78,8 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # Requests with a continuation aborted since the last step: that step reports them.
+        self._aborted_since_step: set[str] = set()
 
     # ---- requests ----------------------------------------------------------------------
     def add_request(
@@ -126,6 +129,7 @@ class Engine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._aborted_since_step.discard(request_id)  # this output reports it
         for seq in request.seqs:
             if seq in request.held_back:  # never given to the scheduler
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
@@ -133,15 +137,54 @@ class Engine:
                 self.scheduler.finish(seq, "abort")
         return self._output(request, {})
 
+    def abort_sequence(self, request_id: str, index: int) -> bool:
+        """End continuation ``index`` of a request with reason "abort" and free its blocks.
+
+        The other continuations carry on untouched (each samples from its own generator). The
+        next ``step()`` reports the request, even if nothing else of it ran: the aborted
+        continuation appears there with ``finish_reason="abort"`` and no new tokens. If it was
+        the last unfinished one, that output is the request's final one and the request is
+        then gone. Returns False, changing nothing, if the request is unknown, ``index`` is out
+        of range or that continuation has already finished.
+        """
+        request = self.requests.get(request_id)
+        if request is None or not 0 <= index < len(request.seqs):
+            return False
+        seq = request.seqs[index]
+        if seq.is_finished:
+            return False
+        if seq in request.held_back:  # never given to the scheduler
+            request.held_back.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        else:
+            self.scheduler.finish(seq, "abort")
+            if request.held_back:
+                # It was computing the prompt for the others: the next one takes over, reusing
+                # whatever full prompt blocks are already in the prefix cache.
+                self.scheduler.add(request.held_back.pop(0))
+        self._aborted_since_step.add(request_id)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled forward pass; returns the requests that got new tokens."""
+        """Run one scheduled forward pass; returns the requests that got new tokens or had a
+        continuation aborted since the last step (finished ones are then removed)."""
         scheduled = self.scheduler.schedule().scheduled
-        if not scheduled:
-            return []
+        rows = self._run(scheduled) if scheduled else []
+        new_tokens = {seq.seq_id: 1 for seq in rows}
+        progressed = {seq.request_id for seq in rows} | self._aborted_since_step
+        self._aborted_since_step = set()
+        outputs = [self._output(self.requests[r], new_tokens) for r in sorted(progressed)]
+        for out in outputs:
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _run(self, scheduled: list[ScheduledSequence]) -> list[Sequence]:
+        """Forward the scheduled tokens and sample; returns the sequences that got a token."""
         # A sequence whose uncomputed tokens all run now gets logits and a new token; a
         # prefill chunk that stops short of the end does not.
         completing = [s.seq.num_uncomputed_tokens == s.num_new_tokens for s in scheduled]
@@ -152,20 +195,13 @@ class Engine:
             self.block_manager.commit_full_blocks(s.seq)
         rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
         sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
-        new_tokens: dict[str, int] = {}
         for seq, token in zip(rows, sampled, strict=True):
             seq.append_token(token)
-            new_tokens[seq.seq_id] = 1
             reason = self._finish_reason(seq, token.token_id)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             self._release_held_back(self.requests[seq.request_id])
-        progressed = {seq.request_id for seq in rows}
-        outputs = [self._output(self.requests[r], new_tokens) for r in sorted(progressed)]
-        for out in outputs:
-            if out.finished:
-                del self.requests[out.request_id]
-        return outputs
+        return rows
 
     def _release_held_back(self, request: Request) -> None:
         """The prompt's full blocks are now in the prefix cache: admit the other n-1."""

@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 MAX_LOGPROBS = 20
+GREEDY_TEMPERATURE = 1e-5
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -167,8 +168,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the request wants the argmax token (temperature 0)."""
-        return self.temperature == 0
+        """True when the request wants the argmax token: temperature 0, or so close to it
+        that dividing by it would overflow float32 (vLLM uses the same threshold)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise `ValueError` if a logit_bias key or stop token id is not below `vocab_size`."""

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from engine.core_process import EngineDeadError, EngineNotReadyError
-from fastapi import Depends, FastAPI, Header
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
-from server.errors import APIError, error_body, install_error_handlers
+from server.errors import GENERATION_ERRORS, engine_error, error_body, install_error_handlers
 from server.handlers import (
     Prepared,
-    engine_failure,
     full_response,
     prepare_chat,
     prepare_completion,
@@ -70,44 +69,59 @@ def create_app(settings: ServerSettings) -> FastAPI:
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(body: ChatCompletionRequest):
-        return await respond(prepare_chat(state, body), stream=body.stream)
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await respond(await prepare_chat(state, body), body.stream, request)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest):
-        return await respond(prepare_completion(state, body), stream=body.stream)
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(await prepare_completion(state, body), body.stream, request)
 
     install_websocket(app, state)
     return app
 
 
-async def respond(p: Prepared, stream: bool):
+async def respond(p: Prepared, stream: bool, request: Request):
     """Everything that can fail on input has been checked: now start the response."""
     start = time.perf_counter()
     if stream:
         return EventSourceResponse(_sse(p, start), sep="\n", ping=15)
     status = 200
+    work = asyncio.create_task(full_response(p))
+    gone = asyncio.create_task(_disconnected(request))
     try:
-        return await full_response(p)
-    except (EngineDeadError, EngineNotReadyError) as e:
-        status = 503
-        raise engine_failure(e) from None
-    except ValueError as e:  # refused by the engine itself
-        status = 400
-        raise APIError(400, str(e)) from None
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left: stop generating for nobody
+            status = 499
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return Response(status_code=499)
+        return work.result()
+    except GENERATION_ERRORS as e:
+        err = engine_error(e)
+        status = err.status
+        raise err from None
     finally:
+        gone.cancel()
         _log(p, status, start)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection (FastAPI does not cancel handlers)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sse(p: Prepared, start: float) -> AsyncIterator[dict]:
     status = 200
     try:
-        async for chunk in stream_chunks(p):
-            yield {"data": json.dumps(chunk)}
-    except (EngineDeadError, EngineNotReadyError, ValueError) as e:
+        async with contextlib.aclosing(stream_chunks(p)) as chunks:
+            async for chunk in chunks:
+                yield {"data": json.dumps(chunk)}
+    except GENERATION_ERRORS as e:
         # Headers are gone already: the error travels as an event, as vLLM does.
-        status = 503 if not isinstance(e, ValueError) else 400
-        yield {"data": json.dumps(error_body(status, str(e)))}
+        err = engine_error(e)
+        status = err.status
+        yield {"data": json.dumps(error_body(err.status, err.message))}
     except asyncio.CancelledError:
         status = 499  # the client went away; leaving the generator aborted the request
         raise

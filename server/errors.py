@@ -6,10 +6,17 @@ error) and answered before any streaming response starts.
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.core_protocol import EngineDeadError, EngineNotReadyError
+
+log = logging.getLogger("specserve.requests")
 
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -66,19 +73,34 @@ def invalid_parameter(exc: ValueError) -> APIError:
     return APIError(400, message, param=param, code="invalid_value")
 
 
+def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
+    """A malformed body: OpenAI answers 400 (not FastAPI's default 422), naming the field."""
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def engine_error(exc: Exception) -> APIError:
+    """What a failure while generating becomes once the request was accepted."""
+    if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
+        return APIError(503, f"The engine failed while serving this request: {exc}")
+    return APIError(400, str(exc))  # a ValueError: the engine refused the request
+
+
+GENERATION_ERRORS = (EngineDeadError, EngineNotReadyError, ValueError)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError):
+    async def _api_error(request: Request, exc: APIError):
+        log.info("%s %s status=%d %s", request.method, request.url.path, exc.status, exc.message)
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError):
-        # OpenAI answers malformed bodies with 400, not FastAPI's default 422.
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
-        return error_response(APIError(400, message, param=param, code="invalid_value"))
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        return await _api_error(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.sampling import SampledToken, SamplingParams
@@ -41,6 +41,10 @@ class Usage:
         }
 
 
+class EngineAbortedError(RuntimeError):
+    """The engine ended a choice that the server did not ask to end."""
+
+
 @dataclass
 class RequestRun:
     request_id: str
@@ -50,16 +54,26 @@ class RequestRun:
     client: object  # AsyncEngineClient
     tokenizer: object
     metrics: ServerMetrics
+    on_done: Callable[[], None] = lambda: None  # called once when the run ends, however
     arrival: float = field(default_factory=time.time)
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """All choices' events, interleaved as they arrive; ends when every choice is done."""
-        if len(self.prompts) == 1:
-            async for event in self._prompt_events(0):
-                yield event
-            return
+        try:
+            if len(self.prompts) == 1:
+                async with contextlib.aclosing(self._prompt_events(0)) as events:
+                    async for event in events:
+                        yield event
+            else:
+                async with contextlib.aclosing(self._merged_events()) as events:
+                    async for event in events:
+                        yield event
+        finally:
+            self.on_done()
+
+    async def _merged_events(self) -> AsyncIterator[ChoiceEvent]:
         queue: asyncio.Queue = asyncio.Queue()
         tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.prompts))]
         try:
@@ -75,15 +89,15 @@ class RequestRun:
 
     async def _pump(self, prompt_index: int, queue: asyncio.Queue) -> None:
         try:
-            async for event in self._prompt_events(prompt_index):
-                await queue.put(event)
+            async with contextlib.aclosing(self._prompt_events(prompt_index)) as events:
+                async for event in events:
+                    await queue.put(event)
         except Exception as e:  # handed to the consumer, which re-raises it
             await queue.put(e)
         await queue.put(None)
 
     async def _prompt_events(self, prompt_index: int) -> AsyncIterator[ChoiceEvent]:
-        prompt = self.prompts[prompt_index]
-        n = self.params.n
+        prompt, n = self.prompts[prompt_index], self.params.n
         # Their text is held back until the engine says whether they ended the choice.
         stop_ids = set(self.params.stop_token_ids) | set(self.client.info.eos_token_ids)
         detoks = [
@@ -92,32 +106,42 @@ class RequestRun:
         ]
         open_choices = set(range(n))
         clock = _TokenClock(self.metrics, self.arrival, len(prompt))
-        stream = self.client.generate(f"{self.request_id}-{prompt_index}", prompt, self.params)
-        # aclosing: leaving the loop early (stop strings, disconnects) aborts at once.
+        engine_id = f"{self.request_id}-{prompt_index}"
+        stream = self.client.generate(engine_id, prompt, self.params)
+        # aclosing: leaving the loop early (all choices stopped, a disconnect) aborts at once.
         async with contextlib.aclosing(stream):
             async for delta in stream:
                 if clock.on_delta(delta):
                     self.usage.prompt_tokens += len(prompt)
                 for c in delta.choices:
                     if c.index not in open_choices:
-                        continue  # already ended by a stop string
+                        continue  # ended here by a stop string; the engine may lag behind
                     event = self._choice_event(prompt_index * n + c.index, detoks[c.index], c)
                     if event.finish_reason is not None:
                         open_choices.discard(c.index)
                         self._finish(event.index, event.finish_reason, detoks[c.index])
+                        if c.finish_reason is None and open_choices:
+                            # A stop string ended this one choice: free its sequence now.
+                            await self.client.abort(engine_id, choice_index=c.index)
                     yield event
                 if not open_choices:
                     break
 
     def _choice_event(self, index: int, detok: IncrementalDetokenizer, c) -> ChoiceEvent:
+        if c.finish_reason == "abort":
+            raise EngineAbortedError(f"the engine aborted choice {index}")
+        counted = detok.token_count
         piece = detok.push(c.new_token_ids)
         text, finish = piece.text, None
         if piece.stopped:
             finish = "stop"
         elif c.finish_reason is not None:
             text += detok.finish(drop_last_token=c.finish_reason == "stop")
-            finish = "stop" if c.finish_reason == "stop" else "length"
-        return ChoiceEvent(index, text, list(c.new_token_ids), c.new_logprobs, finish)
+            finish = c.finish_reason  # "stop" or "length"
+        logprobs = c.new_logprobs
+        if logprobs is not None:  # only the tokens the text covers (none past a stop string)
+            logprobs = logprobs[: detok.token_count - counted]
+        return ChoiceEvent(index, text, list(c.new_token_ids), logprobs, finish)
 
     def _finish(self, index: int, reason: str, detok: IncrementalDetokenizer) -> None:
         self.finish_reasons[index] = reason
@@ -136,8 +160,8 @@ class _TokenClock:
 
     def on_delta(self, delta) -> bool:
         """Record a delta's tokens; True when it carried the request's first token."""
-        new_tokens = sum(len(c.new_token_ids) for c in delta.choices)
-        if not new_tokens:
+        counts = [len(c.new_token_ids) for c in delta.choices if c.new_token_ids]
+        if not counts:
             return False
         now = time.time()
         first = self.last is None
@@ -145,8 +169,7 @@ class _TokenClock:
             scheduled = delta.first_scheduled_time
             queue_time = None if scheduled is None else scheduled - self.arrival
             self.metrics.on_first_token(now - self.arrival, queue_time, self.prompt_tokens)
-            self.metrics.on_tokens(new_tokens, None)
-        else:
-            self.metrics.on_tokens(new_tokens, now - self.last)
+        # One inter-token gap per choice that moved, as vLLM records per sequence and step.
+        self.metrics.on_tokens(sum(counts), None if first else now - self.last, len(counts))
         self.last = now
         return first

@@ -8,12 +8,15 @@ route and the WebSocket endpoint both use them.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from server.errors import APIError, invalid_parameter
+from server.errors import invalid_parameter
 from server.generation import ChoiceEvent, RequestRun
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import chat_logprobs, completion_logprobs, merge_logprobs
@@ -28,6 +31,10 @@ class Prepared:
     created: int
     model: str
     include_usage: bool
+    echo: list[str] | None = None  # completions with echo: each prompt's text, per prompt
+
+    def echo_text(self, index: int) -> str:
+        return self.echo[index // self.run.params.n] if self.echo else ""
 
     @property
     def object_name(self) -> str:
@@ -38,17 +45,15 @@ class Prepared:
         return len(self.run.prompts) * self.run.params.n
 
 
-def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
+async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     state.check_model(body.model)
     state.check_ready()
     try:
         logprobs = body.requested_logprobs()
-        prompt = state.tokenizer.apply_chat_template(
-            body.conversation(), tokenize=False, add_generation_prompt=True
-        )
-        prompt_ids = state.tokenizer.encode(prompt, add_special_tokens=False)
+        # Off the event loop: a huge prompt must not stall every other stream.
+        prompt_ids = await asyncio.to_thread(_render_chat, state.tokenizer, body.conversation())
         max_tokens = body.requested_max_tokens()
-        state.check_context(len(prompt_ids), max_tokens)
+        state.check_context(len(prompt_ids), max_tokens, "messages")
         if max_tokens is None:  # as vLLM: whatever room the context leaves
             max_tokens = state.client.info.max_model_len - len(prompt_ids)
         params = body.sampling_params(max_tokens, logprobs)
@@ -58,20 +63,31 @@ def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     return _prepared(state, body, [prompt_ids], params, chat=True, prefix="chatcmpl")
 
 
-def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
+async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     state.check_model(body.model)
     state.check_ready()
     vocab = state.client.info.vocab_size
     try:
-        prompts = [_encode(state, p, vocab) for p in body.prompts()]
+        if body.echo and body.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (prompt logprobs)")
+        texts = body.prompts()
+        prompts = await asyncio.to_thread(lambda: [_encode(state, p, vocab) for p in texts])
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         for ids in prompts:
-            state.check_context(len(ids), max_tokens)
+            state.check_context(len(ids), max_tokens, "prompt")
         params = body.sampling_params(max_tokens, body.logprobs)
         params.validate_for_vocab(vocab)
     except ValueError as e:
         raise invalid_parameter(e) from None
-    return _prepared(state, body, prompts, params, chat=False, prefix="cmpl")
+    p = _prepared(state, body, prompts, params, chat=False, prefix="cmpl")
+    if body.echo:
+        p.echo = [t if isinstance(t, str) else state.tokenizer.decode(t) for t in texts]
+    return p
+
+
+def _render_chat(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _encode(state: ServerState, prompt: str | list[int], vocab: int) -> list[int]:
@@ -85,7 +101,7 @@ def _encode(state: ServerState, prompt: str | list[int], vocab: int) -> list[int
 
 
 def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared:
-    state.check_capacity()
+    reservation = state.reserve(len(prompts) * params.n)
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     run = RequestRun(
         request_id=response_id,
@@ -95,49 +111,47 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
         client=state.client,
         tokenizer=state.tokenizer,
         metrics=state.metrics,
+        on_done=reservation.release,
     )
+    # A response that never starts (the client left first) must still give its room back.
+    weakref.finalize(run, reservation.release)
     return Prepared(run, chat, response_id, int(time.time()), body.model, body.include_usage)
 
 
 # ---- streaming -----------------------------------------------------------------------------
 async def stream_chunks(p: Prepared) -> AsyncIterator[dict]:
     """The chunk objects of a streaming response, in OpenAI's order."""
-    tokenizer = p.run.tokenizer
     offsets = [0] * p.num_choices  # text emitted per choice, for completion text_offset
-    if p.chat:  # the first delta of every choice carries the role
-        for i in range(p.num_choices):
-            yield _chunk(
-                p,
-                [
-                    {
-                        "index": i,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-    async for e in p.run.events():
-        if not (e.text or e.finish_reason or e.logprobs):
-            continue
-        if p.chat:
-            delta = {"content": e.text} if e.text else {}
-            choice = {
-                "index": e.index,
-                "delta": delta,
-                "logprobs": chat_logprobs(tokenizer, e.logprobs),
-            }
-        else:
-            choice = {
-                "index": e.index,
-                "text": e.text,
-                "logprobs": completion_logprobs(tokenizer, e.logprobs, offsets[e.index]),
-            }
-            offsets[e.index] += len(e.text)
-        choice["finish_reason"] = e.finish_reason
-        yield _chunk(p, [choice])
+    for i in range(p.num_choices):
+        if p.chat:  # the first delta of every choice carries the role
+            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            yield _chunk(p, [{**first, "finish_reason": None}])
+        elif p.echo:
+            offsets[i] = len(p.echo_text(i))
+            echoed = {"index": i, "text": p.echo_text(i), "logprobs": None}
+            yield _chunk(p, [{**echoed, "finish_reason": None}])
+    async with contextlib.aclosing(p.run.events()) as events:
+        async for e in events:
+            if e.text or e.finish_reason or e.logprobs:
+                yield _chunk(p, [_stream_choice(p, e, offsets)])
     if p.include_usage:
         yield {**_chunk(p, []), "usage": p.run.usage.as_dict()}
+
+
+def _stream_choice(p: Prepared, e: ChoiceEvent, offsets: list[int]) -> dict:
+    tokenizer = p.run.tokenizer
+    if p.chat:
+        delta = {"content": e.text} if e.text else {}
+        choice = {
+            "index": e.index,
+            "delta": delta,
+            "logprobs": chat_logprobs(tokenizer, e.logprobs),
+        }
+    else:
+        logprobs = completion_logprobs(tokenizer, e.logprobs, offsets[e.index])
+        choice = {"index": e.index, "text": e.text, "logprobs": logprobs}
+        offsets[e.index] += len(e.text)
+    return {**choice, "finish_reason": e.finish_reason}
 
 
 def _chunk(p: Prepared, choices: list[dict]) -> dict:
@@ -156,8 +170,9 @@ def _chunk(p: Prepared, choices: list[dict]) -> dict:
 # ---- non-streaming -------------------------------------------------------------------------
 async def full_response(p: Prepared) -> dict:
     events: dict[int, list[ChoiceEvent]] = {i: [] for i in range(p.num_choices)}
-    async for e in p.run.events():
-        events[e.index].append(e)
+    async with contextlib.aclosing(p.run.events()) as stream:
+        async for e in stream:
+            events[e.index].append(e)
     choices = [_full_choice(p, i, evs) for i, evs in events.items()]
     return {
         "id": p.response_id,
@@ -170,7 +185,7 @@ async def full_response(p: Prepared) -> dict:
 
 
 def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
-    text = "".join(e.text for e in events)
+    text = p.echo_text(index) + "".join(e.text for e in events)
     finish = p.run.finish_reasons.get(index)
     tokenizer = p.run.tokenizer
     if p.chat:
@@ -181,7 +196,7 @@ def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
             "logprobs": logprobs,
             "finish_reason": finish,
         }
-    parts, offset = [], 0
+    parts, offset = [], len(p.echo_text(index))
     for e in events:
         parts.append(completion_logprobs(tokenizer, e.logprobs, offset))
         offset += len(e.text)
@@ -191,7 +206,3 @@ def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
         "logprobs": merge_logprobs(parts, chat=False),
         "finish_reason": finish,
     }
-
-
-def engine_failure(e: Exception) -> APIError:
-    return APIError(503, f"The engine failed while serving this request: {e}")

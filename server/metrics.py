@@ -2,18 +2,26 @@
 
 Request-level figures are counted in the server where the events happen (tokens arriving,
 requests finishing). Engine-level figures (queue lengths, KV usage, preemptions, prefix-cache
-lookups) are read from the engine process's latest stats snapshot at scrape time; its
-cumulative counters restart at zero when the engine process is restarted, so the collector
-carries the totals across restarts.
+lookups) are read at scrape time from the engine client's totals, which carry the counters
+across engine restarts so that they never go backwards.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+# The *_created series add nothing a dashboard uses (vLLM turns them off too).
+disable_created_metrics()
 
 PREFIX = "specserve:"
 LATENCY_BUCKETS = (
@@ -40,28 +48,10 @@ LATENCY_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 
 
-class _RestartSafeTotal:
-    """A cumulative engine counter that survives the engine process starting again."""
-
-    def __init__(self):
-        self.base = 0
-        self.last = 0
-
-    def update(self, value: int) -> int:
-        if value < self.last:  # the engine restarted from zero
-            self.base += self.last
-        self.last = value
-        return self.base + value
-
-
 class EngineStatsCollector(Collector):
     def __init__(self, model_name: str, stats: Callable[[], object | None]):
         self.model_name = model_name
         self.stats = stats
-        self.totals = {
-            k: _RestartSafeTotal()
-            for k in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
-        }
 
     def collect(self):
         s = self.stats()
@@ -82,8 +72,7 @@ class EngineStatsCollector(Collector):
         }
         for attr, doc in counters.items():
             c = CounterMetricFamily(PREFIX + attr, doc, labels=labels)
-            value = self.totals[attr].update(int(getattr(s, attr, 0) if s else 0))
-            c.add_metric([self.model_name], value)
+            c.add_metric([self.model_name], int(getattr(s, attr, 0) if s else 0))
             yield c
 
 
@@ -121,17 +110,31 @@ class ServerMetrics:
             "request_generation_tokens", "Generated tokens per request", TOKEN_BUCKETS
         )
         reg.register(EngineStatsCollector(model_name, engine_stats))
+        # Every series exists from the start, at zero, not only after its first event.
+        for metric in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.request_prompt_tokens,
+            self.request_generation_tokens,
+        ):
+            metric.labels(model_name)
+        for reason in ("stop", "length"):
+            self.request_success.labels(model_name, reason)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     # Event hooks, called by the request handlers.
-    def on_tokens(self, count: int, seconds_since_previous: float | None) -> None:
+    def on_tokens(self, count: int, gap: float | None, sequences: int) -> None:
+        """``count`` new tokens over ``sequences`` sequences, ``gap`` after their last ones."""
         self.generation_tokens.labels(self.model_name).inc(count)
-        if seconds_since_previous is not None and count:
-            # A step that brings several tokens (later: accepted drafts) spreads its gap.
-            for _ in range(count):
-                self.itl.labels(self.model_name).observe(seconds_since_previous / count)
+        if gap is not None:
+            for _ in range(sequences):
+                self.itl.labels(self.model_name).observe(gap)
 
     def on_first_token(self, ttft: float, queue_time: float | None, prompt_tokens: int) -> None:
         self.ttft.labels(self.model_name).observe(ttft)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling import SamplingParams
 
@@ -22,6 +22,14 @@ class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # Clients (and some chat UIs) send explicit nulls for fields they leave unset.
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
     model: str
     max_tokens: int | None = None

@@ -8,9 +8,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.core_process import AsyncEngineClient
-
 from engine.config import EngineConfig
+from engine.core_process import AsyncEngineClient
 from server.errors import APIError
 from server.metrics import ServerMetrics
 
@@ -35,14 +34,22 @@ class ServerState:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.client = AsyncEngineClient(settings.config, max_restarts=settings.max_engine_restarts)
-        self.metrics = ServerMetrics(settings.model_name, lambda: self.client.stats)
+        self.metrics = ServerMetrics(settings.model_name, lambda: self.client.totals)
         self.tokenizer = None
+        self.reserved = 0  # sequences of accepted requests that have not ended
         self.created = int(time.time())
         self._starting: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Start the engine in the background: /health answers 503 until it is ready."""
         self._starting = asyncio.create_task(self._start())
+        self._starting.add_done_callback(self._log_start_failure)
+
+    @staticmethod
+    def _log_start_failure(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            # /health keeps answering 503; say why where the operator looks.
+            log.error("engine failed to start: %s", task.exception())
 
     async def _start(self) -> None:
         from engine.llm import load_tokenizer
@@ -78,17 +85,27 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
-    def check_capacity(self) -> None:
+    def reserve(self, sequences: int) -> Reservation:
+        """Take room for a request's sequences (prompts x n) or answer 429.
+
+        Counted here, synchronously, when the request is accepted, rather than when its
+        stream starts: a burst of requests cannot all slip in before any is counted. A
+        request larger than the whole limit is still served when nothing else is.
+        """
         limit = self.settings.config.scheduler.max_num_seqs + self.settings.max_queued_requests
-        if self.client.num_in_flight >= limit:
+        if self.reserved and self.reserved + sequences > limit:
             raise APIError(
                 429,
-                f"Too many requests: {self.client.num_in_flight} in flight "
-                f"(limit {limit}); retry later",
+                f"Too many requests: {self.reserved} sequences accepted (limit {limit}); "
+                "retry later",
                 headers={"Retry-After": "1"},
             )
+        self.reserved += sequences
+        return Reservation(self, sequences)
 
-    def check_context(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
+    def check_context(
+        self, prompt_tokens: int, max_tokens: int | None, prompt_param: str
+    ) -> int | None:
         """Returns max_tokens, or raises 400 stating both numbers when they do not fit."""
         context = self.client.info.max_model_len
         if prompt_tokens >= context or (
@@ -101,7 +118,7 @@ class ServerState:
                 f"requested {requested} tokens ({prompt_tokens} in the prompt, "
                 f"{max_tokens if max_tokens is not None else 1} for the completion). Please "
                 "reduce the length of the prompt or of max_tokens.",
-                param="max_tokens" if prompt_tokens < context else "messages",
+                param="max_tokens" if prompt_tokens < context else prompt_param,
                 code="context_length_exceeded",
             )
         return max_tokens
@@ -117,3 +134,15 @@ class ServerState:
                 "Invalid or missing API key (Authorization: Bearer <key>)",
                 code="invalid_api_key",
             )
+
+
+class Reservation:
+    """Room taken by one request; released once, when its run ends (or is dropped)."""
+
+    def __init__(self, state: ServerState, sequences: int):
+        self.state = state
+        self.sequences = sequences
+
+    def release(self) -> None:
+        self.state.reserved -= self.sequences
+        self.sequences = 0

@@ -13,15 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import time
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
-from engine.core_process import EngineDeadError, EngineNotReadyError
-from server.errors import APIError, error_body
+from server.errors import (
+    GENERATION_ERRORS,
+    APIError,
+    engine_error,
+    error_body,
+    validation_error,
+)
 from server.handlers import prepare_chat, prepare_completion, stream_chunks
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
+
+log = logging.getLogger("specserve.requests")
 
 
 class _Connection:
@@ -57,40 +66,55 @@ class _Connection:
             )
             return
         try:
-            prepared = self._prepare(message)
+            prepared = await self._prepare(message)
         except APIError as e:
+            log.info("ws %s status=%d %s", request_id, e.status, e.message)
             await self.error(request_id, e.status, e.message, e.param)
             return
         task = asyncio.create_task(self._stream(request_id, prepared))
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
 
-    def _prepare(self, message: dict):
+    async def _prepare(self, message: dict):
+        # Over a WebSocket every request streams (include_usage then applies as with SSE).
         body = {k: v for k, v in message.items() if k not in ("request_id", "type")}
+        body["stream"] = True
         try:
             if "messages" in body:
-                return prepare_chat(self.state, ChatCompletionRequest.model_validate(body))
+                return await prepare_chat(self.state, ChatCompletionRequest.model_validate(body))
             if "prompt" in body:
-                return prepare_completion(self.state, CompletionRequest.model_validate(body))
+                return await prepare_completion(self.state, CompletionRequest.model_validate(body))
         except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(p) for p in first["loc"]) or None
-            raise APIError(400, f"{param}: {first['msg']}", param=param) from None
+            raise validation_error(e) from None
         raise APIError(400, "a request needs `messages` (chat) or `prompt` (completions)")
 
     async def _stream(self, request_id: str, prepared) -> None:
+        status, start = 200, time.perf_counter()
         try:
-            async for chunk in stream_chunks(prepared):
-                await self.send({**chunk, "request_id": request_id})
+            async with contextlib.aclosing(stream_chunks(prepared)) as chunks:
+                async for chunk in chunks:
+                    await self.send({**chunk, "request_id": request_id})
             await self.send({"type": "done", "request_id": request_id})
         except asyncio.CancelledError:
+            status = 499
             # Leaving stream_chunks aborted the engine request; tell the client it ended.
             with contextlib.suppress(Exception):
                 await self.send({"type": "done", "request_id": request_id, "cancelled": True})
-        except (EngineDeadError, EngineNotReadyError) as e:
-            await self.error(request_id, 503, str(e))
-        except ValueError as e:
-            await self.error(request_id, 400, str(e))
+        except GENERATION_ERRORS as e:
+            err = engine_error(e)
+            status = err.status
+            await self.error(request_id, err.status, err.message)
+        finally:
+            usage = prepared.run.usage
+            log.info(
+                "ws %s %s status=%d prompt_tokens=%d completion_tokens=%d latency=%.3fs",
+                request_id,
+                prepared.response_id,
+                status,
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                time.perf_counter() - start,
+            )
 
     async def close(self) -> None:
         for task in list(self.tasks.values()):

@@ -12,9 +12,12 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing.connection import Pipe
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +29,7 @@ from engine.core_process import (
     EngineNotReadyError,
     EngineStartError,
 )
-from engine.core_protocol import AddRequest, EngineReady, RequestDelta
+from engine.core_protocol import AddRequest, EngineReady, EngineStats, RequestDelta
 
 MAX_MODEL_LEN = 512
 LONG = SamplingParams(max_tokens=400, ignore_eos=True)  # hundreds of steps: time to interrupt
@@ -253,6 +256,53 @@ def test_abort_ends_stream_with_abort_reason(served):
     runner.run(wait_until(lambda: all_blocks_free(client)))
 
 
+def test_aborting_one_choice_ends_it_and_the_others_go_on(served):
+    runner, client = served
+    params = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=300, ignore_eos=True)
+
+    async def scenario():
+        reference = await collect(client, "whole", [40, 41, 42], params)
+        deltas = []
+        async for delta in client.generate("partial", [40, 41, 42], params):
+            if not deltas:
+                await client.abort("partial", choice_index=1)
+            deltas.append(delta)
+        await wait_until(lambda: all_blocks_free(client))
+        return reference, deltas
+
+    reference, deltas = runner.run(scenario())
+    assert deltas[-1].finished
+    tokens, _, reasons = joined(deltas, 1)
+    assert reasons == ["abort"] and len(tokens) < 300
+    assert tokens == joined(reference, 1)[0][: len(tokens)]
+    # The abort is the choice's last entry, and brings no tokens.
+    last = [c for d in deltas for c in d.choices if c.index == 1][-1]
+    assert (last.new_token_ids, last.finish_reason) == ([], "abort")
+    for index in (0, 2):  # seeded per choice: token-identical to the run without the abort
+        assert joined(deltas, index) == joined(reference, index)
+        assert joined(deltas, index)[2] == ["length"]
+
+
+def test_aborting_every_choice_ends_the_stream(served):
+    runner, client = served
+    params = SamplingParams(n=2, max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        deltas = []
+        async for delta in client.generate("all-choices", [3, 4], params):
+            if not deltas:
+                await client.abort("all-choices", choice_index=0)
+                await client.abort("all-choices", choice_index=1)
+            deltas.append(delta)
+        await wait_until(lambda: all_blocks_free(client))
+        return deltas
+
+    deltas = runner.run(scenario())
+    assert deltas[-1].finished and len(deltas) < 100
+    assert joined(deltas, 0)[2] == joined(deltas, 1)[2] == ["abort"]
+    assert client.num_in_flight == 0
+
+
 # ---- the engine process dies ---------------------------------------------------------------
 def test_killed_engine_fails_in_flight_stream_then_restarts(served):
     runner, client = served
@@ -277,6 +327,42 @@ def test_killed_engine_fails_in_flight_stream_then_restarts(served):
     deltas = runner.run(scenario(), timeout=90)
     assert sum(len(c.new_token_ids) for d in deltas for c in d.choices) == 4
     assert deltas[-1].finished
+
+
+def test_totals_carry_engine_counters_across_a_restart(served):
+    runner, client = served
+    # Three sequences of 437 tokens need 84 blocks of 16 and the cache has 64: preemptions.
+    # Their prompts share a full block with a request that ran before them: prefix hits.
+    shared, crowd = [5] * 16, SamplingParams(max_tokens=420, ignore_eos=True)
+
+    async def run_crowd(tag):
+        await collect(client, f"{tag}-first", [*shared, 1], SamplingParams(max_tokens=1))
+        await asyncio.gather(
+            *(collect(client, f"{tag}{i}", [*shared, 20 + i], crowd) for i in range(3))
+        )
+        return client.stats
+
+    async def scenario():
+        before_kill = await run_crowd("before")
+        totals_before = client.totals
+        os.kill(client.pid, signal.SIGKILL)
+        await wait_until(lambda: not client.ready)
+        assert client.stats == EngineStats()  # the raw snapshot died with the process
+        totals_dead = client.totals
+        assert await client.wait_ready(60)
+        after_restart = await run_crowd("after")
+        return before_kill, totals_before, totals_dead, after_restart, client.totals
+
+    before_kill, totals_before, totals_dead, after, totals = runner.run(scenario(), timeout=120)
+    assert before_kill.num_preemptions > 0 and after.num_preemptions > 0
+    assert client.stats == after  # stats stays the latest raw snapshot
+    for name in EngineStats.COUNTERS:
+        assert getattr(totals_dead, name) == getattr(totals_before, name)
+        assert getattr(totals_before, name) >= getattr(before_kill, name) > 0
+        assert getattr(totals, name) == getattr(totals_before, name) + getattr(after, name)
+    # The gauges are the running engine's.
+    assert (totals.num_blocks, totals.num_free_blocks) == (after.num_blocks, after.num_free_blocks)
+    assert totals.num_running == after.num_running == 0
 
 
 def test_exception_in_step_logs_traceback_and_exits_nonzero(monkeypatch, capsys):
@@ -394,3 +480,15 @@ def test_client_gives_up_after_max_restarts(tiny_model_dir):
     pid = asyncio.run(scenario())
     assert time.monotonic() - started < 30
     assert pid not in [p.pid for p in multiprocessing.active_children()]
+
+
+def test_importing_the_client_loads_neither_the_engine_nor_torch():
+    code = (
+        "import sys, engine.core_process; "
+        "print([m for m in ('torch', 'engine.engine') if m in sys.modules])"
+    )
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"

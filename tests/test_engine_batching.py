@@ -193,3 +193,82 @@ def test_logprobs_reach_the_request_output(tiny_model_dir):
         assert s.logprob == pytest.approx(s.top_logprobs[0][1])
     plain = llm.generate(prompts(12), SamplingParams(temperature=0, max_tokens=4))[0]
     assert plain.outputs[0].logprobs is None
+
+
+# ---- aborting one of a request's n continuations -------------------------------------------
+def run_to_end(engine, max_steps: int = 1000) -> list:
+    outputs = []
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return outputs
+        outputs.extend(engine.step())
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def where(request, seq) -> str:
+    if seq in request.held_back:
+        return "held-back"
+    if seq.num_computed_tokens == 0:
+        return "queued"
+    return "mid-prefill" if seq.num_computed_tokens < seq.num_prompt_tokens else "decoding"
+
+
+@pytest.mark.parametrize(
+    "index,steps,state",
+    [(1, 0, "held-back"), (0, 0, "queued"), (0, 1, "mid-prefill"), (2, 6, "decoding")],
+)
+def test_aborting_one_continuation_frees_it_and_leaves_the_others_unchanged(
+    tiny_model_dir, index, steps, state
+):
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
+    prompt = prompts(40)[0]
+    reference = LLM(model=str(tiny_model_dir)).generate([prompt], params)[0].outputs
+    # A 16-token budget prefills the 40-token prompt in three steps, while the other two
+    # continuations are held back behind the first.
+    llm = LLM(model=str(tiny_model_dir), scheduler={"max_num_batched_tokens": 16})
+    engine = llm.engine
+    engine.add_request("r", prompt, params)
+    for _ in range(steps):
+        engine.step()
+    seq = engine.requests["r"].seqs[index]
+    assert where(engine.requests["r"], seq) == state
+    assert engine.abort_sequence("r", index)
+    assert seq.block_table == [] and seq not in engine.scheduler.running
+    assert not engine.abort_sequence("r", index)  # already finished: nothing changes
+    (reported,) = engine.step()  # the abort is reported by the very next step
+    assert reported.outputs[index].finish_reason == "abort"
+    assert reported.outputs[index].num_new_tokens == 0
+
+    final = run_to_end(engine)[-1]
+    assert final.finished
+    for i, (got, want) in enumerate(zip(final.outputs, reference, strict=True)):
+        if i == index:
+            assert got.finish_reason == "abort"
+            assert got.token_ids == want.token_ids[: len(got.token_ids)]
+            assert len(got.token_ids) < len(want.token_ids)
+        else:  # each continuation samples from its own seeded generator
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, "length")
+    assert_all_blocks_free(llm)
+
+
+def test_aborting_every_continuation_finishes_the_request(tiny_model_dir):
+    llm = LLM(model=str(tiny_model_dir))
+    engine = llm.engine
+    params = SamplingParams(n=2, max_tokens=30, ignore_eos=True)
+    engine.add_request("r", prompts(20)[0], params)
+    engine.add_request("s", prompts(24)[0], params)
+    engine.step()
+    engine.step()
+    assert not engine.abort_sequence("r", 2) and not engine.abort_sequence("nope", 0)
+    for request_id in ("r", "s"):
+        assert engine.abort_sequence(request_id, 1) and engine.abort_sequence(request_id, 0)
+    assert_all_blocks_free(llm)  # freed at once, before any step
+    # "s" is aborted as a whole before the step: its final output comes from abort, once.
+    assert [o.finish_reason for o in engine.abort("s").outputs] == ["abort", "abort"]
+    assert engine.has_unfinished_requests()  # the final output of "r" is still to be sent
+    (final,) = engine.step()
+    assert final.request_id == "r" and final.finished
+    assert [o.finish_reason for o in final.outputs] == ["abort", "abort"]
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == [] and engine.abort("r") is None
+    assert not engine.abort_sequence("r", 0)

@@ -402,3 +402,11 @@ def test_logprobs_are_the_raw_log_softmax_with_sorted_top_tokens():
     assert results[1].logprob == pytest.approx(raw[1].max().item(), abs=1e-6)
     assert results[1].top_logprobs == []
     assert results[2].logprob is None and results[2].top_logprobs is None
+
+
+def test_tiny_temperature_is_greedy_not_an_overflow():
+    logits = torch.tensor([[0.0, 3.0, 1.0]])
+    row = Row(SamplingParams(temperature=1e-40))
+    sampler = Sampler(eos_token_ids=[])
+    picks = {sampler(logits, [row], [make_generator(i)])[0].token_id for i in range(20)}
+    assert picks == {1}

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 
 import httpx
 import pytest
+import websockets
 
 from tests.server_process import ServerProcess
 
@@ -118,3 +121,42 @@ def test_full_queue_is_429_with_retry_after(server):
             break
         time.sleep(0.1)
     assert r.status_code == 200
+
+
+def test_a_burst_beyond_the_limit_gets_429_for_all_but_one(server):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    headers = {"Authorization": f"Bearer {KEY}"}
+
+    async def main():
+        statuses: list[int] = []
+        all_answered = asyncio.Event()
+        async with httpx.AsyncClient(timeout=60, headers=headers) as client:
+
+            async def one():
+                async with client.stream("POST", server.url + "/v1/completions", json=body) as r:
+                    statuses.append(r.status_code)
+                    if len(statuses) == 8:
+                        all_answered.set()
+                    await all_answered.wait()  # keep the accepted stream open until then
+
+            await asyncio.gather(*(one() for _ in range(8)))
+        return statuses
+
+    statuses = asyncio.run(main())
+    assert sorted(statuses) == [200] + [429] * 7
+
+
+def test_websocket_needs_the_api_key(server):
+    async def main(headers):
+        async with websockets.connect(
+            server.url.replace("http", "ws") + "/v1/ws", additional_headers=headers
+        ) as ws:
+            await ws.send(
+                json.dumps({"request_id": "r", "model": MODEL, "prompt": "a", "max_tokens": 2})
+            )
+            return json.loads(await ws.recv())
+
+    denied = asyncio.run(main({}))
+    assert denied["type"] == "error" and denied["error"]["type"] == "authentication_error"
+    allowed = asyncio.run(main({"Authorization": f"Bearer {KEY}"}))
+    assert allowed["request_id"] == "r" and allowed.get("type") != "error"

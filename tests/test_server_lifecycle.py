@@ -55,6 +55,14 @@ def wait_until_idle(server, timeout: float = 5.0) -> None:
     raise AssertionError("KV blocks still allocated after the client went away")
 
 
+def test_metric_series_exist_before_any_request(server):
+    # The first test of the module: nothing has been generated on this server yet.
+    assert metric(server, "generation_tokens_total") == 0
+    assert metric(server, "prompt_tokens_total") == 0
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'specserve:time_to_first_token_seconds_count{model_name="tiny"} 0.0' in text
+
+
 def test_sse_disconnect_aborts_and_frees_blocks(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=LONG, timeout=60) as r:
         lines = r.iter_lines()
@@ -74,6 +82,28 @@ def test_websocket_disconnect_aborts_and_frees_blocks(server):
 
     asyncio.run(main())
     wait_until_idle(server)
+
+
+def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
+    body = {**LONG, "stream": False, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    wait_until_idle(server)
+
+
+def test_websocket_cancel_frees_blocks_while_the_connection_stays(server):
+    async def main():
+        async with websockets.connect(server.url.replace("http", "ws") + "/v1/ws") as ws:
+            await ws.send(json.dumps({**LONG, "request_id": "c"}))
+            for _ in range(3):
+                await ws.recv()
+            await ws.send(json.dumps({"type": "cancel", "request_id": "c"}))
+            while (message := json.loads(await ws.recv())).get("type") != "done":
+                pass
+            assert message["cancelled"] is True
+            await asyncio.to_thread(wait_until_idle, server)
+
+    asyncio.run(main())
 
 
 def test_metrics_count_requests_and_tokens(server):

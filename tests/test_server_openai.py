@@ -183,3 +183,60 @@ def test_raw_sse_framing(server):
     payloads = [json.loads(e[len("data: ") :]) for e in events[:-1]]
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert sum(1 for p in payloads if p["choices"][0]["finish_reason"]) == 1
+
+
+def test_several_prompts_with_n_stream_every_choice_once(client):
+    stream = client.completions.create(
+        model=MODEL, prompt=["one", "two"], n=2, stream=True, **greedy(max_tokens=6)
+    )
+    finishes: dict[int, int] = {}
+    for c in stream:
+        for choice in c.choices:
+            if choice.finish_reason:
+                finishes[choice.index] = finishes.get(choice.index, 0) + 1
+    assert finishes == {0: 1, 1: 1, 2: 1, 3: 1}
+
+
+def test_max_completion_tokens_nulls_and_unknown_fields(server):
+    body = {
+        "model": MODEL,
+        "messages": CHAT,
+        "temperature": 0,
+        "max_completion_tokens": 3,
+        "ignore_eos": True,
+        "n": None,
+        "stream": None,
+        "logprobs": None,
+        "user": "u1",
+        "some_future_field": {"x": 1},
+    }
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_echo_prepends_the_prompt(client):
+    plain = client.completions.create(model=MODEL, prompt="Once", **greedy(max_tokens=4))
+    echoed = client.completions.create(
+        model=MODEL, prompt="Once", echo=True, **greedy(max_tokens=4)
+    )
+    assert echoed.choices[0].text == "Once" + plain.choices[0].text
+    chunks = client.completions.create(
+        model=MODEL, prompt="Once", echo=True, stream=True, **greedy(max_tokens=4)
+    )
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+
+
+def test_stop_string_ends_one_choice_while_the_other_goes_on(client):
+    sampled = {"temperature": 1.0, "seed": 11, "max_tokens": 40, "n": 2}
+    free = client.completions.create(model=MODEL, prompt="q", **sampled)
+    first, second = (c.text for c in sorted(free.choices, key=lambda c: c.index))
+    stop = next(
+        first[i : i + 4]
+        for i in range(2, len(first) - 4)
+        if first[i : i + 4].strip() and first[i : i + 4] not in second
+    )
+    cut = client.completions.create(model=MODEL, prompt="q", stop=[stop], **sampled)
+    by_index = {c.index: c for c in cut.choices}
+    assert by_index[0].text == first[: first.index(stop)] and by_index[0].finish_reason == "stop"
+    assert by_index[1].text == second
