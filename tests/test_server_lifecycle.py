@@ -85,9 +85,10 @@ def test_websocket_disconnect_aborts_and_frees_blocks(server):
 
 
 def test_non_streaming_disconnect_aborts_and_frees_blocks(server):
-    body = {**LONG, "stream": False, "n": 2}
+    # 8 x 1000 tokens: seconds of work, far more than the client waits for.
+    body = {**LONG, "stream": False, "n": 8, "max_tokens": 1000}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
     wait_until_idle(server)
 
 
