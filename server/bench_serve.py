@@ -154,12 +154,35 @@ def stop_server(proc) -> None:
         proc.wait()
 
 
+@dataclass
+class LoadSpec:
+    concurrency: int
+    requests: int
+    max_tokens: int
+
+
+def measure(
+    name: str, cmd: list[str] | None, url: str, model: str, spec: LoadSpec, tokenizer, log_dir: str
+) -> dict:
+    """Start the server (unless ``cmd`` is None: already running at ``url``), run the load,
+    print its row, stop the server."""
+    proc = None
+    if cmd is not None:
+        proc = start_server(cmd, url, f"{log_dir}/{name.split()[0]}-bench-serve.log")
+    try:
+        load = asyncio.run(
+            run_load(name, url, model, spec.concurrency, spec.requests, spec.max_tokens)
+        )
+        return report(load, tokenizer)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+
+
 def run_serve_bench(
     model: str | None,
     config: str | None,
-    concurrency: int,
-    requests: int,
-    max_tokens: int,
+    spec: LoadSpec,
     with_baseline: bool,
     url: str | None,
     log_dir: str = "/tmp",
@@ -172,29 +195,15 @@ def run_serve_bench(
     model_dir = str(resolve_model(model or "smollm2-135m-instruct"))
     tokenizer = load_tokenizer(Path(model_dir))
     print(
-        f"model {model_dir}; {requests} streaming chat requests, {concurrency} concurrent, "
-        f"max_tokens {max_tokens}, greedy\n"
+        f"model {model_dir}; {spec.requests} streaming chat requests, {spec.concurrency} "
+        f"concurrent, max_tokens {spec.max_tokens}, greedy\n"
     )
     print(
         "| server | output tokens | wall s | output tok/s | TTFT p50/p90/p99 ms | "
         "ITL p50/p90/p99 ms |\n|---|---|---|---|---|---|"
     )
-
-    def measure(name: str, cmd: list[str] | None, server_url: str, model_name: str):
-        proc = None
-        if cmd is not None:
-            proc = start_server(cmd, server_url, f"{log_dir}/{name.split()[0]}-bench-serve.log")
-        try:
-            load = asyncio.run(
-                run_load(name, server_url, model_name, concurrency, requests, max_tokens)
-            )
-            return report(load, tokenizer)
-        finally:
-            if proc is not None:
-                stop_server(proc)
-
     if url is not None:
-        ours = measure("specserve", None, url, "bench")
+        ours = measure("specserve", None, url, "bench", spec, tokenizer, log_dir)
     else:
         port = free_port()
         cmd = [
@@ -210,7 +219,9 @@ def run_serve_bench(
             "bench",
         ]
         cmd += ["--config", config] if config else []
-        ours = measure("specserve", cmd, f"http://127.0.0.1:{port}", "bench")
+        ours = measure(
+            "specserve", cmd, f"http://127.0.0.1:{port}", "bench", spec, tokenizer, log_dir
+        )
     if not with_baseline:
         return
     port = free_port()
@@ -225,7 +236,13 @@ def run_serve_bench(
         str(port),
     ]
     theirs = measure(
-        "transformers serve --continuous-batching", cmd, f"http://127.0.0.1:{port}", model_dir
+        "transformers serve --continuous-batching",
+        cmd,
+        f"http://127.0.0.1:{port}",
+        model_dir,
+        spec,
+        tokenizer,
+        log_dir,
     )
     throughput = ours["tokens_per_s"] / theirs["tokens_per_s"]
     ttft = theirs["ttft"][0] / ours["ttft"][0]

@@ -27,17 +27,10 @@ def _cmd_bench_linear(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from server.bench_serve import run_serve_bench
+    from server.bench_serve import LoadSpec, run_serve_bench
 
-    run_serve_bench(
-        args.model,
-        args.config,
-        args.concurrency,
-        args.requests or args.concurrency,
-        args.max_tokens,
-        with_baseline=not args.no_baseline,
-        url=args.url,
-    )
+    spec = LoadSpec(args.concurrency, args.requests or args.concurrency, args.max_tokens)
+    run_serve_bench(args.model, args.config, spec, with_baseline=not args.no_baseline, url=args.url)
     return 0
 
 
