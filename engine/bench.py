@@ -137,10 +137,9 @@ def hf_baseline(llm: LLM, prompts, max_tokens: int, prompt_len: int) -> list[flo
     ]
 
 
-def run_offline(
-    config: str, model: str | None, batch: int, max_tokens: int, prompt_len: int, with_hf: bool
-) -> None:
-    llm = LLM(model=model, config=config)
+def run_offline(config, batch: int, max_tokens: int, prompt_len: int, with_hf: bool) -> None:
+    """``config`` is the EngineConfig to benchmark (model, decoder, cache sizes)."""
+    llm = LLM(config=config)
     arch = llm.engine.model.arch
     weight_bytes = llm.engine.model.weight_bytes_per_token
     print(

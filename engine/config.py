@@ -33,7 +33,12 @@ class SchedulerConfig(_Strict):
 
 
 class DecoderConfig(_Strict):
-    method: Literal["autoregressive"] = "autoregressive"
+    method: Literal["autoregressive", "ngram"] = "autoregressive"
+    # Draft tokens per step (k): the most a drafting decoder proposes for one sequence.
+    num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # ngram: the longest and shortest suffix n-gram looked up in the prompt and output.
+    prompt_lookup_max: int = Field(4, ge=1)
+    prompt_lookup_min: int = Field(2, ge=1)
 
 
 class EngineConfig(_Strict):

@@ -426,5 +426,13 @@ class AsyncEngineClient:
         return len(self._restart_times) < self.max_restarts
 
 
-def _sum_counters(a: EngineStats, b: EngineStats) -> dict[str, int]:
-    return {name: getattr(a, name) + getattr(b, name) for name in EngineStats.COUNTERS}
+def _sum_counters(a: EngineStats, b: EngineStats) -> dict:
+    return {name: _add(getattr(a, name), getattr(b, name)) for name in EngineStats.COUNTERS}
+
+
+def _add(a, b):
+    if isinstance(a, tuple):  # per-position counts: add position by position
+        longest = max(len(a), len(b))
+        a, b = a + (0,) * (longest - len(a)), b + (0,) * (longest - len(b))
+        return tuple(x + y for x, y in zip(a, b, strict=True))
+    return a + b

@@ -57,6 +57,10 @@ class EngineStats:
         "num_preemptions",
         "prefix_cache_queries",
         "prefix_cache_hits",
+        "spec_num_drafts",
+        "spec_num_draft_tokens",
+        "spec_num_accepted_tokens",
+        "spec_accepted_per_position",
     )
 
     num_running: int = 0  # requests with at least one sequence in the running queue
@@ -67,6 +71,12 @@ class EngineStats:
     prefix_cache_hits: int = 0  # cumulative prompt tokens found
     num_free_blocks: int = 0
     num_blocks: int = 0
+    decoder: str = "autoregressive"
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters).
+    spec_num_drafts: int = 0  # draft runs verified (one per sequence and step with drafts)
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()  # accepted drafts at position 0, 1, ...
 
 
 @dataclass
@@ -222,7 +232,21 @@ def engine_stats(engine: Engine) -> EngineStats:
         prefix_cache_hits=blocks.stats.hits,
         num_free_blocks=blocks.num_free_blocks,
         num_blocks=blocks.num_blocks,
+        **_spec_stats(engine),
     )
+
+
+def _spec_stats(engine: Engine) -> dict:
+    if engine.speculator is None:
+        return {}
+    spec = engine.speculator.stats
+    return {
+        "decoder": engine.speculator.decoder.name,
+        "spec_num_drafts": spec.num_drafts,
+        "spec_num_draft_tokens": spec.num_draft_tokens,
+        "spec_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_accepted_per_position": tuple(spec.accepted_per_position),
+    }
 
 
 def engine_info(engine: Engine, model_dir: object) -> EngineInfo:

@@ -8,13 +8,15 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
+from engine.decoders import build_decoder
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling import Sampler, SamplingParams, make_generator
+from engine.sampling import SampledToken, Sampler, SamplingParams, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
+from engine.speculation import Speculator
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,6 +79,12 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, config.device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
+        decoder = build_decoder(config.decoder)
+        self.speculator = (
+            None
+            if decoder.name == "autoregressive"
+            else Speculator(decoder, self.block_manager, self.eos_token_ids, self.max_model_len)
+        )
         self.requests: dict[str, Request] = {}
         # Requests with a continuation aborted since the last step: that step reports them.
         self._aborted_since_step: set[str] = set()
@@ -172,10 +180,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; returns the requests that got new tokens or had a
         continuation aborted since the last step (finished ones are then removed)."""
-        scheduled = self.scheduler.schedule().scheduled
-        rows = self._run(scheduled) if scheduled else []
-        new_tokens = {seq.seq_id: 1 for seq in rows}
-        progressed = {seq.request_id for seq in rows} | self._aborted_since_step
+        proposals = self.speculator.propose(self.scheduler.running) if self.speculator else {}
+        lookahead = None
+        if proposals:
+            lookahead = lambda seq: len(proposals[seq].token_ids) if seq in proposals else 0  # noqa: E731
+        scheduled = self.scheduler.schedule(lookahead).scheduled
+        new_tokens = self._run(scheduled, proposals) if scheduled else {}
+        progressed = {seq.request_id for seq in new_tokens} | self._aborted_since_step
         self._aborted_since_step = set()
         outputs = [self._output(self.requests[r], new_tokens) for r in sorted(progressed)]
         for out in outputs:
@@ -183,25 +194,40 @@ class Engine:
                 del self.requests[out.request_id]
         return outputs
 
-    def _run(self, scheduled: list[ScheduledSequence]) -> list[Sequence]:
-        """Forward the scheduled tokens and sample; returns the sequences that got a token."""
-        # A sequence whose uncomputed tokens all run now gets logits and a new token; a
+    def _run(self, scheduled: list[ScheduledSequence], proposals: dict) -> dict[Sequence, int]:
+        """Forward the scheduled tokens, sample (or verify drafts) and append the new tokens;
+        returns how many tokens each sequence got."""
+        # A sequence whose uncomputed tokens all run now gets logits and new tokens; a
         # prefill chunk that stops short of the end does not.
         completing = [s.seq.num_uncomputed_tokens == s.num_new_tokens for s in scheduled]
-        items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
-        logits = self.runner.run(items)
+        if self.speculator is None:
+            items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
+            logits = self.runner.run(items)
+            for s in scheduled:
+                s.seq.num_computed_tokens += s.num_new_tokens
+            rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
+            sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
+            emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
+        else:
+            items = self.speculator.forward_items(scheduled, completing, proposals)
+            logits = self.runner.run(items)
+            emitted = self.speculator.verify(logits, scheduled, completing, proposals)
         for s in scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
             self.block_manager.commit_full_blocks(s.seq)
-        rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
-        sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
-        for seq, token in zip(rows, sampled, strict=True):
+        return {seq: self._append(seq, tokens) for seq, tokens in emitted}
+
+    def _append(self, seq: Sequence, tokens: list[SampledToken]) -> int:
+        """Append tokens up to the first that ends the sequence; returns how many."""
+        count = 0
+        for token in tokens:
             seq.append_token(token)
+            count += 1
             reason = self._finish_reason(seq, token.token_id)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
-            self._release_held_back(self.requests[seq.request_id])
-        return rows
+                break
+        self._release_held_back(self.requests[seq.request_id])
+        return count
 
     def _release_held_back(self, request: Request) -> None:
         """The prompt's full blocks are now in the prefix cache: admit the other n-1."""
@@ -221,7 +247,7 @@ class Engine:
             return "length"
         return None
 
-    def _output(self, request: Request, new_tokens: dict[str, int]) -> RequestOutput:
+    def _output(self, request: Request, new_tokens: dict[Sequence, int]) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -229,7 +255,7 @@ class Engine:
                 CompletionOutput(
                     index=i,
                     token_ids=list(seq.output_token_ids),
-                    num_new_tokens=new_tokens.get(seq.seq_id, 0),
+                    num_new_tokens=new_tokens.get(seq, 0),
                     finish_reason=seq.finish_reason,
                     logprobs=list(seq.output_logprobs)
                     if seq.sampling_params.logprobs is not None

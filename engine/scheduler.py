@@ -10,6 +10,7 @@ are freed and it goes back to the head of the waiting queue.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_cache import BlockManager
@@ -20,6 +21,8 @@ from engine.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    # Slots reserved after those for draft tokens to verify (rolled back when rejected).
+    num_lookahead: int = 0
 
 
 @dataclass
@@ -44,19 +47,27 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
+        """Pick this step's work. ``lookahead(seq)`` asks for draft slots after a running
+        sequence's decode token; they are granted only from spare budget and free blocks,
+        never by preempting another sequence."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, self.max_num_batched_tokens, lookahead)
         # Admitting new work in a step that had to preempt would only thrash.
         if not out.preempted:
             self._admit_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, lookahead) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            extra = 0
+            if lookahead is not None and seq.num_uncomputed_tokens == 1:
+                extra = max(0, min(lookahead(seq), budget - 1))
+                if not self.block_manager.can_append(seq, n + extra):
+                    extra = 0
             while not self.block_manager.can_append(seq, n):
                 victim = self.running.pop()  # newest; never one already scheduled
                 self._preempt(victim)
@@ -64,9 +75,9 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slots(seq, n)
-                out.scheduled.append(ScheduledSequence(seq, n))
-                budget -= n
+                self.block_manager.append_slots(seq, n + extra)
+                out.scheduled.append(ScheduledSequence(seq, n, extra))
+                budget -= n + extra
                 i += 1
         return budget
 

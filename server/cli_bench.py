@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from server.cli_generate import add_model_arguments, engine_config_from_args
+
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     from engine.bench import run_offline
 
     run_offline(
-        args.config,
-        args.model,
+        engine_config_from_args(args),
         args.batch,
         args.max_tokens,
         args.prompt_len,
@@ -41,8 +42,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "offline",
         help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate()",
     )
-    offline.add_argument("--config", help="engine config YAML (default: built-in defaults)")
-    offline.add_argument("--model")
+    add_model_arguments(offline)
     offline.add_argument("--batch", type=int, default=16)
     offline.add_argument("--max-tokens", type=int, default=128)
     offline.add_argument("--prompt-len", type=int, default=512)

@@ -8,11 +8,27 @@ import sys
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--config, --model and the decoder choice, shared by generate, serve and bench."""
     p.add_argument(
         "--config",
         help="engine config YAML (default: the built-in defaults, as in configs/default.yaml)",
     )
     p.add_argument("--model", help="model name, local HF directory, .gguf file or hub id")
+    p.add_argument("--decoder", help="decoder method: autoregressive (default) or ngram")
+    p.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (k)")
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """The engine config a command runs with: the file (or the defaults), then the flags."""
+    from engine.config import EngineConfig
+
+    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    overrides: dict = {"model": args.model} if args.model else {}
+    decoder = {"method": args.decoder, "num_speculative_tokens": args.num_speculative_tokens}
+    decoder = {k: v for k, v in decoder.items() if v is not None}
+    if decoder:
+        overrides["decoder"] = decoder
+    return config.with_overrides(**overrides) if overrides else config
 
 
 def add_sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +64,7 @@ def sampling_params_from_args(args: argparse.Namespace):
 def build_llm(args: argparse.Namespace):
     from engine import LLM
 
-    return LLM(model=args.model, config=args.config)
+    return LLM(config=engine_config_from_args(args))
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

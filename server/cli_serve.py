@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 
-from server.cli_generate import add_model_arguments
+from server.cli_generate import add_model_arguments, engine_config_from_args
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
 
@@ -21,13 +21,10 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.config import EngineConfig
     from server.app import create_app
     from server.state import ServerSettings
 
-    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
-    if args.model:
-        config = config.with_overrides(model=args.model)
+    config = engine_config_from_args(args)
     settings = ServerSettings(
         config=config,
         served_model_name=args.served_model_name,

@@ -74,6 +74,31 @@ class EngineStatsCollector(Collector):
             c = CounterMetricFamily(PREFIX + attr, doc, labels=labels)
             c.add_metric([self.model_name], int(getattr(s, attr, 0) if s else 0))
             yield c
+        yield from self._spec_decode(s)
+
+    def _spec_decode(self, s):
+        """vLLM's spec_decode_* counters, labelled by the decoder that drafted."""
+        labels, values = ["model_name", "decoder"], [self.model_name, getattr(s, "decoder", "")]
+        counters = {
+            "spec_decode_num_drafts": ("Draft runs verified", "spec_num_drafts"),
+            "spec_decode_num_draft_tokens": ("Draft tokens proposed", "spec_num_draft_tokens"),
+            "spec_decode_num_accepted_tokens": (
+                "Draft tokens accepted",
+                "spec_num_accepted_tokens",
+            ),
+        }
+        for name, (doc, attr) in counters.items():
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric(values, int(getattr(s, attr, 0) if s else 0))
+            yield c
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position",
+            labels=[*labels, "position"],
+        )
+        for position, count in enumerate(getattr(s, "spec_accepted_per_position", ()) or ()):
+            per_pos.add_metric([*values, str(position)], count)
+        yield per_pos
 
 
 class ServerMetrics:

@@ -356,7 +356,8 @@ def test_totals_carry_engine_counters_across_a_restart(served):
     before_kill, totals_before, totals_dead, after, totals = runner.run(scenario(), timeout=120)
     assert before_kill.num_preemptions > 0 and after.num_preemptions > 0
     assert client.stats == after  # stats stays the latest raw snapshot
-    for name in EngineStats.COUNTERS:
+    # The counters this autoregressive engine moves (the spec_* ones stay at zero here).
+    for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
         assert getattr(totals_dead, name) == getattr(totals_before, name)
         assert getattr(totals_before, name) >= getattr(before_kill, name) > 0
         assert getattr(totals, name) == getattr(totals_before, name) + getattr(after, name)

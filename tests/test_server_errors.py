@@ -147,16 +147,20 @@ def test_a_burst_beyond_the_limit_gets_429_for_all_but_one(server):
 
 
 def test_websocket_needs_the_api_key(server):
-    async def main(headers):
-        async with websockets.connect(
-            server.url.replace("http", "ws") + "/v1/ws", additional_headers=headers
-        ) as ws:
-            await ws.send(
-                json.dumps({"request_id": "r", "model": MODEL, "prompt": "a", "max_tokens": 2})
-            )
+    url = server.url.replace("http", "ws") + "/v1/ws"
+    request = {"request_id": "r", "model": MODEL, "prompt": "a", "max_tokens": 2}
+
+    async def denied():
+        async with websockets.connect(url) as ws:
+            return json.loads(await ws.recv())  # refused at once, then closed
+
+    async def allowed():
+        headers = {"Authorization": f"Bearer {KEY}"}
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            await ws.send(json.dumps(request))
             return json.loads(await ws.recv())
 
-    denied = asyncio.run(main({}))
-    assert denied["type"] == "error" and denied["error"]["type"] == "authentication_error"
-    allowed = asyncio.run(main({"Authorization": f"Bearer {KEY}"}))
-    assert allowed["request_id"] == "r" and allowed.get("type") != "error"
+    refused = asyncio.run(denied())
+    assert refused["type"] == "error" and refused["error"]["type"] == "authentication_error"
+    answer = asyncio.run(allowed())
+    assert answer["request_id"] == "r" and answer.get("type") != "error"

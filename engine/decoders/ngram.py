@@ -1,0 +1,46 @@
+"""Prompt lookup (n-gram) drafting: propose what followed the latest earlier occurrence of the
+sequence's last n tokens, for n from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+
+It costs no model call, so it pays whenever the output copies from its input (summaries,
+rewrites, code edits) and costs one wider verification pass when it does not. Drafts are
+deterministic: the rejection sampler treats them as a one-hot q, which keeps sampling exact.
+"""
+
+from __future__ import annotations
+
+from engine.decoders.base import Decoder, Proposal
+from engine.sequence import Sequence
+
+
+def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The up-to-``k`` tokens after the latest earlier match of the longest suffix n-gram."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = tokens[length - n :]
+        # Latest match first: recent context predicts the continuation best.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == pattern:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []
+
+
+class NgramDecoder(Decoder):
+    name = "ngram"
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.k = num_speculative_tokens
+        self.min_n = prompt_lookup_min
+        self.max_n = prompt_lookup_max
+
+    def propose(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict:
+        proposals = {}
+        for seq in seqs:
+            k = min(self.k, max_drafts[seq])
+            if k <= 0:
+                continue
+            drafts = find_continuation(seq.token_ids, self.min_n, self.max_n, k)
+            if drafts:
+                proposals[seq] = Proposal(drafts)
+        return proposals

@@ -1,0 +1,158 @@
+"""The ngram decoder through the engine: lossless under greedy and under sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.decoders.ngram import find_continuation
+from tests.stats import chi_square_p_value
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
+# Repetitive prompts: lookup finds matches, so drafts are proposed and mostly verified.
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [20 + i % 7 for i in range(40)], [3] * 12]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def test_find_continuation_prefers_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3]
+    # "2 3" occurs at 1 and 5; the latest earlier one (5) is followed by 7, 8.
+    assert find_continuation(tokens, 1, 2, 3) == [7, 8, 2]
+    assert find_continuation(tokens, 3, 3, 2) == []  # "8 2 3" never occurred before
+    assert find_continuation([4, 5, 6], 1, 2, 4) == []
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir)), LLM(model=str(tiny_model_dir), decoder=NGRAM)
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_unfinished_requests()
+
+
+def test_greedy_ngram_equals_autoregressive_alone_and_batched(engines):
+    ar, ngram = engines
+    expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    alone = [ngram.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    batched = [o.token_ids for o in ngram.generate(PROMPTS, GREEDY)]
+    assert alone == expected and batched == expected
+    stats = ngram.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # drafts really ran
+    assert_all_blocks_free(ngram)
+
+
+def test_greedy_ngram_with_preemption_and_small_budget(tiny_model_dir, engines):
+    ar, _ = engines
+    expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
+    small = LLM(
+        model=str(tiny_model_dir),
+        decoder=NGRAM,
+        kv_cache={"num_blocks": 12, "enable_prefix_caching": False},
+        scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
+    )
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    assert_all_blocks_free(small)
+
+
+def test_stop_token_inside_an_accepted_run_ends_at_that_token(engines):
+    ar, ngram = engines
+    free = ar.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    stop = free[7]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop])
+    out = ngram.generate([PROMPTS[0]], params)[0]
+    assert out.token_ids == free[: free.index(stop) + 1] and out.finish_reason == "stop"
+    capped = ngram.generate(
+        [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    )[0]
+    assert capped.token_ids == free[:9] and capped.finish_reason == "length"
+
+
+def test_abort_mid_draft_frees_every_block(engines):
+    _, ngram = engines
+    engine = ngram.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=60, ignore_eos=True, n=2))
+    for _ in range(4):
+        engine.step()
+    engine.abort("a1")
+    engine.abort("a2")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(ngram)
+
+
+def exact_two_token_distribution(llm: LLM, prompt: list[int], params: SamplingParams):
+    """p(first) and p(second) marginalised over first, from the target model directly."""
+    from engine.sampling import probabilities, process_logits
+
+    class Row:
+        def __init__(self, output):
+            self.sampling_params, self.prompt_token_ids = params, prompt
+            self.output_token_ids = output
+
+    def next_probs(prefixes: list[list[int]], outputs: list[list[int]]) -> torch.Tensor:
+        logits = torch.stack([_last_logits(llm.engine, prefix) for prefix in prefixes])
+        rows = [Row(o) for o in outputs]
+        return probabilities(process_logits(logits, rows, llm.engine.eos_token_ids))
+
+    first = next_probs([prompt], [[]])[0]
+    vocab = first.shape[0]
+    second_given = next_probs([prompt + [x] for x in range(vocab)], [[x] for x in range(vocab)])
+    return first, first @ second_given
+
+
+def _last_logits(engine, prefix: list[int]) -> torch.Tensor:
+    from engine.attention import SequenceSlice, build_attention_metadata
+    from engine.kv_cache import KVCache
+
+    arch = engine.model.arch
+    cache = KVCache(arch.num_layers, 16, 16, arch.num_kv_heads, arch.head_dim, torch.float32, "cpu")
+    meta = build_attention_metadata(
+        [SequenceSlice(0, len(prefix), list(range(16)))], 16, arch.head_dim, "cpu"
+    )
+    with torch.inference_mode():
+        out = engine.model(
+            torch.tensor(prefix),
+            torch.arange(len(prefix)),
+            cache.layers,
+            meta,
+            logits_indices=torch.tensor([len(prefix) - 1]),
+        )
+    return out.logits[0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=20),
+        SamplingParams(temperature=1.0, top_p=0.8, min_p=0.02),
+        SamplingParams(temperature=1.0, presence_penalty=1.5, logit_bias={7: 3.0}),
+    ],
+    ids=["plain", "top_k", "top_p-min_p", "penalty-bias"],
+)
+def test_sampled_ngram_matches_the_target_distribution(engines, params):
+    """A false alarm has probability 1e-4 per token position checked (two per case)."""
+    _, ngram = engines
+    prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]  # lookup will draft 7, 8, 9, ...
+    draws = 3000
+    sampled = SamplingParams(
+        **{**params.__dict__, "n": draws, "max_tokens": 2, "ignore_eos": True, "seed": 1}
+    )
+    out = ngram.generate([prompt], sampled)[0]
+    first_p, second_p = exact_two_token_distribution(ngram, prompt, sampled)
+    vocab = first_p.shape[0]
+    firsts = torch.bincount(torch.tensor([o.token_ids[0] for o in out.outputs]), minlength=vocab)
+    seconds = torch.bincount(torch.tensor([o.token_ids[1] for o in out.outputs]), minlength=vocab)
+    assert chi_square_p_value(firsts, first_p) > 1e-4
+    assert chi_square_p_value(seconds, second_p) > 1e-4
+    assert ngram.engine.speculator.stats.num_accepted_tokens > 0
