@@ -35,6 +35,21 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_decoders(args: argparse.Namespace) -> int:
+    from engine.bench_decoders import run_decoder_bench
+    from engine.decoders import DECODERS
+
+    decoders = list(DECODERS) if args.decoders == "all" else args.decoders.split(",")
+    run_decoder_bench(
+        engine_config_from_args(args),
+        decoders,
+        args.num_speculative_tokens or 4,
+        args.max_tokens,
+        with_hf=not args.no_hf,
+    )
+    return 0
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks")
     which = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
@@ -52,6 +67,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "linear", help="GB/s of F.linear vs transposed matmul vs oneDNN for SmolLM2's shapes"
     )
     linear.set_defaults(func=_cmd_bench_linear)
+    decoders = which.add_parser(
+        "decoders",
+        help="speculative decoders vs autoregressive (and transformers) on chat and "
+        "input-grounded prompts",
+    )
+    add_model_arguments(decoders)
+    decoders.add_argument("--decoders", default="all", help="comma-separated, or all")
+    decoders.add_argument("--max-tokens", type=int, default=128)
+    decoders.add_argument("--no-hf", action="store_true", help="skip transformers")
+    decoders.set_defaults(func=_cmd_bench_decoders)
     serve = which.add_parser(
         "serve",
         help="concurrent streaming chat: throughput, TTFT and ITL vs transformers serve",

@@ -95,3 +95,26 @@ def test_bench_serve_reports_percentiles(tiny_chat_model_dir, tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[1]) > 0 and float(cells[3]) > 0  # output tokens, tokens/s
     assert cells[4].count("/") == 2 and cells[5].count("/") == 2  # p50/p90/p99
+
+
+def test_bench_decoders_reports_speedup_and_identity(tiny_chat_model_dir):
+    result = subprocess.run(
+        [
+            *SPECSERVE,
+            "bench",
+            "decoders",
+            "--model",
+            str(tiny_chat_model_dir),
+            "--no-hf",
+            "--max-tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
+    methods = {(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in rows}
+    assert {("chat", "ngram"), ("grounded", "ngram"), ("grounded", "autoregressive")} <= methods
+    assert all(r.rstrip("| ").endswith("yes") for r in rows)  # identical to autoregressive
