@@ -94,7 +94,10 @@ class _CoreLoop:
         if isinstance(command, AddRequest):
             try:
                 self.engine.add_request(
-                    command.request_id, command.prompt_token_ids, command.params
+                    command.request_id,
+                    command.prompt_token_ids,
+                    command.params,
+                    command.speculative,
                 )
             except ValueError as e:  # the request never starts; the engine carries on
                 out.errors.append(RequestError(command.request_id, str(e)))

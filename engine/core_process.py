@@ -44,6 +44,7 @@ from engine.core_protocol import (
 )
 
 if TYPE_CHECKING:
+    from engine.decoders import SpeculativeOptions
     from engine.sampling import SamplingParams
 
 __all__ = [
@@ -274,9 +275,14 @@ class AsyncEngineClient:
 
     # ---- requests ----------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        speculative: SpeculativeOptions | None = None,
     ) -> AsyncIterator[RequestDelta]:
         """Submit a request and yield its deltas; the last one has ``finished=True``.
+        ``speculative`` picks one of ``info.decoders`` for this request.
 
         Raises ``EngineNotReadyError`` at once when the engine is not ready, ``ValueError``
         (the engine's message, before anything is yielded) when the engine refuses the
@@ -293,7 +299,7 @@ class AsyncEngineClient:
             raise ValueError(f"request id {request_id!r} is already in flight")
         proc, stream = self._proc, asyncio.Queue()
         self._streams[request_id] = stream
-        proc.send(AddRequest(request_id, list(prompt_token_ids), params))
+        proc.send(AddRequest(request_id, list(prompt_token_ids), params, speculative))
         done = False  # nothing left in the engine to abort
         try:
             while not done:

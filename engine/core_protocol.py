@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
+    from engine.decoders import SpeculativeOptions
     from engine.engine import Engine
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling import SampledToken, SamplingParams
@@ -43,6 +44,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    decoders: list[str] = field(default_factory=lambda: ["autoregressive"])  # a request may pick
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    speculative: SpeculativeOptions | None = None
 
 
 @dataclass(frozen=True)
@@ -255,4 +258,5 @@ def engine_info(engine: Engine, model_dir: object) -> EngineInfo:
         max_model_len=engine.max_model_len,
         vocab_size=engine.model.arch.vocab_size,
         eos_token_ids=sorted(engine.eos_token_ids),
+        decoders=engine.loaded_decoders,
     )

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.decoders import build_decoder
+from engine.decoders import SpeculativeOptions, build_decoder
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
@@ -83,20 +83,43 @@ class Engine:
         self.speculator = (
             None
             if decoder.name == "autoregressive"
-            else Speculator(decoder, self.block_manager, self.eos_token_ids, self.max_model_len)
+            else Speculator(
+                decoder,
+                config.decoder.num_speculative_tokens,
+                self.block_manager,
+                self.eos_token_ids,
+                self.max_model_len,
+            )
         )
         self.requests: dict[str, Request] = {}
         # Requests with a continuation aborted since the last step: that step reports them.
         self._aborted_since_step: set[str] = set()
 
     # ---- requests ----------------------------------------------------------------------
+    @property
+    def loaded_decoders(self) -> list[str]:
+        """Decoders a request may pick: always autoregressive, and the configured one."""
+        names = ["autoregressive"]
+        if self.speculator is not None:
+            names.append(self.speculator.decoder.name)
+        return names
+
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        speculative: SpeculativeOptions | None = None,
     ) -> None:
         """Queue a request; raises ValueError for input the engine cannot serve."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
+        if speculative is not None and speculative.method not in self.loaded_decoders:
+            raise ValueError(
+                f"speculative method {speculative.method!r} is not loaded; "
+                f"loaded: {', '.join(self.loaded_decoders)}"
+            )
         request = Request(request_id, list(prompt_token_ids), params)
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -106,6 +129,7 @@ class Engine:
                 prompt_token_ids=request.prompt_token_ids,
                 sampling_params=params,
                 generator=make_generator(seed),
+                speculative=speculative,
             )
             request.seqs.append(seq)
         self.scheduler.add(request.seqs[0])

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.decoders.base import SpeculativeOptions
 from engine.sampling import SampledToken, SamplingParams
 
 
@@ -37,6 +38,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Drafting for this sequence: "autoregressive" opts out; None follows the engine's decoder.
+    speculative: SpeculativeOptions | None = None
     num_prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
     token_ids: list[int] = field(init=False)
 

@@ -43,21 +43,35 @@ class SpecDecodeStats:
 
 class Speculator:
     def __init__(
-        self, decoder: Decoder, block_manager: BlockManager, eos_token_ids, max_model_len: int
+        self,
+        decoder: Decoder,
+        num_speculative_tokens: int,
+        block_manager: BlockManager,
+        eos_token_ids,
+        max_model_len: int,
     ):
         self.decoder = decoder
+        self.num_speculative_tokens = num_speculative_tokens  # k unless a request sets its own
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()
 
     def propose(self, running: list[Sequence]) -> dict[Sequence, Proposal]:
-        decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        decoding = [
+            s
+            for s in running
+            if s.num_uncomputed_tokens == 1
+            and (s.speculative is None or s.speculative.method == self.decoder.name)
+        ]
         return self.decoder.propose(decoding, {s: self._max_drafts(s) for s in decoding})
 
     def _max_drafts(self, seq: Sequence) -> int:
+        k = self.num_speculative_tokens
+        if seq.speculative is not None and seq.speculative.num_speculative_tokens:
+            k = seq.speculative.num_speculative_tokens
         # Drafts past max_tokens or the context would be cut anyway: don't compute them.
-        room = self.max_model_len - seq.num_tokens - 1
+        room = min(k, self.max_model_len - seq.num_tokens - 1)
         params = seq.sampling_params
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - len(seq.output_token_ids) - 1)

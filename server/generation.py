@@ -55,6 +55,7 @@ class RequestRun:
     tokenizer: object
     metrics: ServerMetrics
     on_done: Callable[[], None] = lambda: None  # called once when the run ends, however
+    speculative: object = None  # SpeculativeOptions: the request's decoder, if it chose one
     arrival: float = field(default_factory=time.time)
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
@@ -107,7 +108,7 @@ class RequestRun:
         open_choices = set(range(n))
         clock = _TokenClock(self.metrics, self.arrival, len(prompt))
         engine_id = f"{self.request_id}-{prompt_index}"
-        stream = self.client.generate(engine_id, prompt, self.params)
+        stream = self.client.generate(engine_id, prompt, self.params, self.speculative)
         # aclosing: leaving the loop early (all choices stopped, a disconnect) aborts at once.
         async with contextlib.aclosing(stream):
             async for delta in stream:

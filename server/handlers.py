@@ -16,7 +16,8 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from server.errors import invalid_parameter
+from engine.decoders.base import SpeculativeOptions
+from server.errors import APIError, invalid_parameter
 from server.generation import ChoiceEvent, RequestRun
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import chat_logprobs, completion_logprobs, merge_logprobs
@@ -100,7 +101,27 @@ def _encode(state: ServerState, prompt: str | list[int], vocab: int) -> list[int
     return list(prompt)
 
 
+def _speculative(state: ServerState, body) -> SpeculativeOptions | None:
+    """The request's decoder choice, checked against what the engine has loaded."""
+    choice = body.speculative
+    if choice is None:
+        return None
+    loaded = state.client.info.decoders
+    if choice.method not in loaded:
+        raise APIError(
+            400,
+            f"speculative method {choice.method!r} is not loaded; loaded: {', '.join(loaded)}",
+            param="speculative.method",
+            code="invalid_value",
+        )
+    try:
+        return SpeculativeOptions(choice.method, choice.num_speculative_tokens)
+    except ValueError as e:
+        raise APIError(400, str(e), param="speculative.num_speculative_tokens") from None
+
+
 def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared:
+    speculative = _speculative(state, body)
     reservation = state.reserve(len(prompts) * params.n)
     response_id = f"{prefix}-{uuid.uuid4().hex}"
     run = RequestRun(
@@ -112,6 +133,7 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
         tokenizer=state.tokenizer,
         metrics=state.metrics,
         on_done=reservation.release,
+        speculative=speculative,
     )
     # A response that never starts (the client left first) must still give its room back.
     weakref.finalize(run, reservation.release)

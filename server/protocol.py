@@ -18,6 +18,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class SpeculativeRequest(BaseModel):
+    """Extension: pick one of the server's loaded decoders for this request."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str
+    num_speculative_tokens: int | None = None
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
@@ -51,6 +59,7 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    speculative: SpeculativeRequest | None = None
 
     @property
     def stop_strings(self) -> list[str]:

@@ -375,6 +375,7 @@ def test_exception_in_step_logs_traceback_and_exits_nonzero(monkeypatch, capsys)
 
     class FailingEngine:
         max_model_len, model, eos_token_ids = 64, Model(), {2}
+        loaded_decoders = ["autoregressive"]
 
         def add_request(self, *args):
             pass
@@ -391,6 +392,7 @@ def test_exception_in_step_logs_traceback_and_exits_nonzero(monkeypatch, capsys)
     with pytest.raises(SystemExit) as excinfo:
         run_engine_core(EngineConfig(), engine_end)
     assert excinfo.value.code == 1
+    assert server_end.poll(5), "the engine never reported ready"
     assert isinstance(server_end.recv(), EngineReady)
     assert "RuntimeError: boom in step" in capsys.readouterr().err
 

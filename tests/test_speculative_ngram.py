@@ -156,3 +156,26 @@ def test_sampled_ngram_matches_the_target_distribution(engines, params):
     assert chi_square_p_value(firsts, first_p) > 1e-4
     assert chi_square_p_value(seconds, second_p) > 1e-4
     assert ngram.engine.speculator.stats.num_accepted_tokens > 0
+
+
+def test_a_request_can_opt_out_or_pick_its_own_k(engines):
+    from engine.decoders import SpeculativeOptions
+
+    ar, ngram = engines
+    engine, stats = ngram.engine, ngram.engine.speculator.stats
+    expected = ar.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    drafts_before = stats.num_draft_tokens
+    engine.add_request("opt-out", PROMPTS[0], GREEDY, SpeculativeOptions("autoregressive"))
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[0].token_ids == expected and stats.num_draft_tokens == drafts_before
+    engine.add_request("k1", PROMPTS[0], GREEDY, SpeculativeOptions("ngram", 1))
+    runs_before = stats.num_drafts
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs[0].token_ids == expected
+    assert stats.num_draft_tokens - drafts_before == stats.num_drafts - runs_before  # k=1
+    with pytest.raises(ValueError, match="not loaded; loaded: autoregressive, ngram"):
+        engine.add_request("bad", PROMPTS[0], GREEDY, SpeculativeOptions("medusa"))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeOptions("ngram", 0)

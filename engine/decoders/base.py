@@ -8,10 +8,26 @@ back past rejected drafts; the decoder is then told how many of its drafts were 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.sequence import Sequence
+if TYPE_CHECKING:  # engine.sequence imports SpeculativeOptions from here
+    from engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """A request's choice among the decoders the engine has loaded (the server's
+    ``"speculative": {"method": ..., "num_speculative_tokens": ...}``)."""
+
+    method: str
+    num_speculative_tokens: int | None = None  # None: the decoder's configured k
+
+    def __post_init__(self):
+        k = self.num_speculative_tokens
+        if k is not None and not (isinstance(k, int) and 1 <= k <= 16):
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k!r}")
 
 
 @dataclass
@@ -31,7 +47,8 @@ class Decoder:
 
     def propose(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict:
         """Drafts for some of ``seqs`` (each in decode state: one uncomputed token), at most
-        ``max_drafts[seq]`` tokens each; sequences without a proposal just decode."""
+        ``max_drafts[seq]`` tokens each (the request's or the configured k, cut to the room
+        left); sequences without a proposal just decode."""
         return {}
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:

@@ -8,8 +8,12 @@ deterministic: the rejection sampler treats them as a one-hot q, which keeps sam
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from engine.decoders.base import Decoder, Proposal
-from engine.sequence import Sequence
+
+if TYPE_CHECKING:  # engine.sequence imports engine.decoders.base
+    from engine.sequence import Sequence
 
 
 def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -29,15 +33,14 @@ def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list
 class NgramDecoder(Decoder):
     name = "ngram"
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
-        self.k = num_speculative_tokens
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
 
     def propose(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict:
         proposals = {}
         for seq in seqs:
-            k = min(self.k, max_drafts[seq])
+            k = max_drafts[seq]  # the request's k (or ours), cut to what it can still use
             if k <= 0:
                 continue
             drafts = find_continuation(seq.token_ids, self.min_n, self.max_n, k)
