@@ -28,6 +28,7 @@ from engine.sampling import (
     SampledToken,
     SamplingParams,
     SamplingRow,
+    default_generator,
     draw_uniforms,
     probabilities,
     process_logits,
@@ -118,8 +119,9 @@ class RejectionSampler:
         """Verify each run's drafts; `target_logits` (`[sum(k_i + 1), V]`) holds, run after run,
         the target's raw logits at positions 0..k_i (position j follows the first j drafts).
 
-        Sampled runs draw k_i + 1 uniforms from their own generator whatever happens, so a seeded
-        run's outcome does not depend on the rest of the batch.
+        Sampled runs draw their uniforms from their own generator in a fixed order, so a seeded
+        run's outcome does not depend on the rest of the batch; with deterministic drafts it
+        does not depend on k either (see ``_verify_one_hot``).
         """
         starts = _run_starts(target_logits, runs)
         if not runs:
@@ -129,7 +131,13 @@ class RejectionSampler:
         outcomes: list[_Outcome] = [(0, [])] * len(runs)
         greedy = [i for i, run in enumerate(runs) if run.row.sampling_params.greedy]
         sampled = [i for i, run in enumerate(runs) if not run.row.sampling_params.greedy]
-        for picked, verify in ((greedy, _verify_greedy), (sampled, _verify_sampled)):
+        one_hot = [i for i in sampled if runs[i].draft_probs is None]
+        general = [i for i in sampled if runs[i].draft_probs is not None]
+        for picked, verify in (
+            (greedy, _verify_greedy),
+            (one_hot, _verify_one_hot),
+            (general, _verify_sampled),
+        ):
             if picked:
                 results = verify(processed, [runs[i] for i in picked], [starts[i] for i in picked])
                 for i, outcome in zip(picked, results, strict=True):
@@ -172,6 +180,41 @@ def _verify_greedy(
         targets = best[start : start + len(drafts) + 1]
         m = _num_leading_true(d == t for d, t in zip(drafts, targets, strict=False))
         outcomes.append((m, [*drafts[:m], targets[m]]))
+    return outcomes
+
+
+def _verify_one_hot(
+    processed: torch.Tensor, runs: Sequence[DraftRun], starts: Sequence[int]
+) -> list[_Outcome]:
+    """Deterministic drafts, verified so that the output is the token plain sampling draws.
+
+    At each position draw the token autoregressive sampling would (inverse CDF of p_j at the
+    run's next uniform); accept the draft while they agree, emit the drawn token at the first
+    disagreement. P(draw = x) = p(x), and a draw that is not x follows p with x removed: the
+    same law as "accept with p(x), else resample from the residual". But exactly one uniform
+    is consumed per emitted token, as in ``Sampler``, so a seeded request gives the same tokens
+    whatever k it was granted and whatever else is in the batch.
+    """
+    sizes = [len(run.draft_token_ids) + 1 for run in runs]
+    rows = [start + j for start, size in zip(starts, sizes, strict=True) for j in range(size)]
+    probs = probabilities(processed[rows])
+    states, uniforms = [], []
+    for run, size in zip(runs, sizes, strict=True):
+        generator = run.generator or default_generator()
+        states.append((generator, generator.get_state()))
+        uniforms.append(torch.rand(size, generator=generator, dtype=torch.float64))
+    drawn = sample_from_probabilities(probs, torch.cat(uniforms)).tolist()
+    outcomes, offset = [], 0
+    for run, size, (generator, state) in zip(runs, sizes, states, strict=True):
+        drafts = list(run.draft_token_ids)
+        m = _num_leading_true(
+            d == t for d, t in zip(drafts, drawn[offset : offset + size], strict=False)
+        )
+        outcomes.append((m, [*drafts[:m], drawn[offset + m]]))
+        # Consume only the uniforms of the m + 1 emitted tokens.
+        generator.set_state(state)
+        torch.rand(m + 1, generator=generator, dtype=torch.float64)
+        offset += size
     return outcomes
 
 

@@ -342,6 +342,11 @@ def make_generator(seed: int | None) -> torch.Generator:
 _default_generator = make_generator(None)
 
 
+def default_generator() -> torch.Generator:
+    """The generator of rows that have none of their own (unseeded requests)."""
+    return _default_generator
+
+
 def draw_uniforms(generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One float64 uniform in [0, 1) per row, each from that row's own generator."""
     draws = [

@@ -48,26 +48,37 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
-        """Pick this step's work. ``lookahead(seq)`` asks for draft slots after a running
-        sequence's decode token; they are granted only from spare budget and free blocks,
-        never by preempting another sequence."""
+        """Pick this step's work. ``lookahead(seq)`` asks for draft slots after a sequence's
+        decode token; they are granted last, from the budget and free blocks that every
+        running and newly admitted sequence left over, never by preempting one."""
         out = SchedulerOutput()
-        budget = self._schedule_running(out, self.max_num_batched_tokens, lookahead)
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
         # Admitting new work in a step that had to preempt would only thrash.
         if not out.preempted:
-            self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget)
+        if lookahead is not None:
+            self._grant_lookahead(out, budget, lookahead)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int, lookahead) -> int:
+    def _grant_lookahead(self, out: SchedulerOutput, budget: int, lookahead) -> None:
+        """Draft slots come last, from what every running and admitted sequence left over."""
+        for s in out.scheduled:
+            if budget <= 0:
+                return
+            seq = s.seq
+            if s.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
+                continue  # only a decode step (its one uncomputed token) carries drafts
+            extra = min(lookahead(seq), budget)
+            if extra > 0 and self.block_manager.can_append(seq, 1 + extra):
+                self.block_manager.append_slots(seq, 1 + extra)
+                s.num_lookahead = extra
+                budget -= extra
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
-            extra = 0
-            if lookahead is not None and seq.num_uncomputed_tokens == 1:
-                extra = max(0, min(lookahead(seq), budget - 1))
-                if not self.block_manager.can_append(seq, n + extra):
-                    extra = 0
             while not self.block_manager.can_append(seq, n):
                 victim = self.running.pop()  # newest; never one already scheduled
                 self._preempt(victim)
@@ -75,13 +86,13 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                self.block_manager.append_slots(seq, n + extra)
-                out.scheduled.append(ScheduledSequence(seq, n, extra))
-                budget -= n + extra
+                self.block_manager.append_slots(seq, n)
+                out.scheduled.append(ScheduledSequence(seq, n))
+                budget -= n
                 i += 1
         return budget
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = self.block_manager.allocate_prefix(seq)
@@ -99,6 +110,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

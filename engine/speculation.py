@@ -69,7 +69,9 @@ class Speculator:
     def _max_drafts(self, seq: Sequence) -> int:
         k = self.num_speculative_tokens
         if seq.speculative is not None and seq.speculative.num_speculative_tokens:
-            k = seq.speculative.num_speculative_tokens
+            # A request may draft less than the server's k, never more: its drafts come out of
+            # the budget that every other running sequence shares.
+            k = min(k, seq.speculative.num_speculative_tokens)
         # Drafts past max_tokens or the context would be cut anyway: don't compute them.
         room = min(k, self.max_model_len - seq.num_tokens - 1)
         params = seq.sampling_params

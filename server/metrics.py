@@ -77,7 +77,10 @@ class EngineStatsCollector(Collector):
         yield from self._spec_decode(s)
 
     def _spec_decode(self, s):
-        """vLLM's spec_decode_* counters, labelled by the decoder that drafted."""
+        """vLLM's spec_decode_* counters, labelled by the decoder that drafted (none for an
+        autoregressive engine, which has no drafts to count)."""
+        if getattr(s, "decoder", "autoregressive") == "autoregressive":
+            return
         labels, values = ["model_name", "decoder"], [self.model_name, getattr(s, "decoder", "")]
         counters = {
             "spec_decode_num_drafts": ("Draft runs verified", "spec_num_drafts"),

@@ -59,3 +59,20 @@ def tiny_chat_model_dir(tmp_path_factory, smollm2_path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(smollm2_path / name, path / name)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_chat_model_dir, tmp_path_factory):
+    """``specserve serve`` on the tiny chat model, served as "tiny"; one per test module, so
+    a module that counts metrics or kills the engine starts from a fresh process."""
+    from tests.server_process import ServerProcess
+
+    proc = ServerProcess(
+        "--model", str(tiny_chat_model_dir), "--served-model-name", "tiny",
+        log_path=tmp_path_factory.mktemp("server") / "server.log",
+    )
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

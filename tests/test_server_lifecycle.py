@@ -13,26 +13,14 @@ import openai
 import pytest
 import websockets
 
-from tests.server_process import ServerProcess
-
 MODEL = "tiny"
 LONG = {"model": MODEL, "prompt": "count", "max_tokens": 400, "ignore_eos": True, "stream": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model_dir, tmp_path_factory):
-    proc = ServerProcess(
-        "--model",
-        str(tiny_chat_model_dir),
-        "--served-model-name",
-        MODEL,
-        log_path=tmp_path_factory.mktemp("lifecycle") / "server.log",
-    )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+def server(tiny_server):
+    """A fresh server for this module (see conftest.tiny_server)."""
+    return tiny_server
 
 
 def metric(server, name: str) -> float:

@@ -9,26 +9,14 @@ import httpx
 import openai
 import pytest
 
-from tests.server_process import ServerProcess
-
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Say something."}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_model_dir, tmp_path_factory):
-    proc = ServerProcess(
-        "--model",
-        str(tiny_chat_model_dir),
-        "--served-model-name",
-        MODEL,
-        log_path=tmp_path_factory.mktemp("server") / "server.log",
-    )
-    try:
-        proc.wait_ready()
-        yield proc
-    finally:
-        proc.stop()
+def server(tiny_server):
+    """A fresh server for this module (see conftest.tiny_server)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -53,16 +53,31 @@ def spec_metric(server, name: str) -> float:
 
 def test_per_request_choice_gives_identical_greedy_text(server):
     plain = complete(server, speculative={"method": "autoregressive"}).json()
-    drafted_before = spec_metric(server, "spec_decode_num_draft_tokens_total")
+    runs = spec_metric(server, "spec_decode_num_drafts_total")
+    drafted = spec_metric(server, "spec_decode_num_draft_tokens_total")
     spec = complete(server, speculative={"method": "ngram", "num_speculative_tokens": 2}).json()
-    default = complete(server).json()  # the server's decoder: ngram
+    new_runs = spec_metric(server, "spec_decode_num_drafts_total") - runs
+    new_drafts = spec_metric(server, "spec_decode_num_draft_tokens_total") - drafted
+    assert new_runs > 0 and new_drafts <= 2 * new_runs  # this request drafted, with k <= 2
     assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
+    default = complete(server).json()  # the server's decoder: ngram
     assert default["choices"][0]["text"] == plain["choices"][0]["text"]
-    assert spec_metric(server, "spec_decode_num_draft_tokens_total") > drafted_before
-    # Acceptance itself is pinned by the engine tests; a random model's text rarely follows.
-    assert spec_metric(server, "spec_decode_num_accepted_tokens_total") >= 0
     text = httpx.get(server.url + "/metrics", timeout=10).text
     assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{decoder="ngram",' in text
+
+
+def test_per_request_choice_streams_over_sse(server):
+    plain = complete(server, speculative={"method": "autoregressive"}).json()
+    runs = spec_metric(server, "spec_decode_num_drafts_total")
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 40,
+            "ignore_eos": True, "stream": True, "speculative": {"method": "ngram"}}
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == plain["choices"][0]["text"]
+    assert spec_metric(server, "spec_decode_num_drafts_total") > runs
 
 
 def test_unloaded_decoder_is_a_400_listing_the_loaded_ones(server):
