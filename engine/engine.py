@@ -205,9 +205,7 @@ class Engine:
         """Run one scheduled forward pass; returns the requests that got new tokens or had a
         continuation aborted since the last step (finished ones are then removed)."""
         proposals = self.speculator.propose(self.scheduler.running) if self.speculator else {}
-        lookahead = None
-        if proposals:
-            lookahead = lambda seq: len(proposals[seq].token_ids) if seq in proposals else 0  # noqa: E731
+        lookahead = {seq: len(p.token_ids) for seq, p in proposals.items()}
         scheduled = self.scheduler.schedule(lookahead).scheduled
         new_tokens = self._run(scheduled, proposals) if scheduled else {}
         progressed = {seq.request_id for seq in new_tokens} | self._aborted_since_step

@@ -10,7 +10,7 @@ are freed and it goes back to the head of the waiting queue.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.kv_cache import BlockManager
@@ -47,8 +47,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def schedule(self, lookahead: Callable[[Sequence], int] | None = None) -> SchedulerOutput:
-        """Pick this step's work. ``lookahead(seq)`` asks for draft slots after a sequence's
+    def schedule(self, lookahead: Mapping[Sequence, int] | None = None) -> SchedulerOutput:
+        """Pick this step's work. ``lookahead[seq]`` asks for draft slots after a sequence's
         decode token; they are granted last, from the budget and free blocks that every
         running and newly admitted sequence left over, never by preempting one."""
         out = SchedulerOutput()
@@ -56,11 +56,13 @@ class Scheduler:
         # Admitting new work in a step that had to preempt would only thrash.
         if not out.preempted:
             budget = self._admit_waiting(out, budget)
-        if lookahead is not None:
+        if lookahead:
             self._grant_lookahead(out, budget, lookahead)
         return out
 
-    def _grant_lookahead(self, out: SchedulerOutput, budget: int, lookahead) -> None:
+    def _grant_lookahead(
+        self, out: SchedulerOutput, budget: int, lookahead: Mapping[Sequence, int]
+    ) -> None:
         """Draft slots come last, from what every running and admitted sequence left over."""
         for s in out.scheduled:
             if budget <= 0:
@@ -68,7 +70,7 @@ class Scheduler:
             seq = s.seq
             if s.num_new_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens:
                 continue  # only a decode step (its one uncomputed token) carries drafts
-            extra = min(lookahead(seq), budget)
+            extra = min(lookahead.get(seq, 0), budget)
             if extra > 0 and self.block_manager.can_append(seq, 1 + extra):
                 self.block_manager.append_slots(seq, 1 + extra)
                 s.num_lookahead = extra
