@@ -19,6 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.sampling import SamplingParams
+from engine.speculation import SpecDecodeStats
 
 PROMPT_SETS = Path(__file__).resolve().parent.parent / "configs" / "prompts"
 
@@ -39,22 +40,16 @@ def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int) -> DecoderResu
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     spec = llm.engine.speculator
-    before = (
-        (spec.stats.num_draft_tokens, spec.stats.num_accepted_tokens, spec.stats.num_drafts)
-        if spec
-        else None
-    )
+    if spec is not None:
+        spec.stats = SpecDecodeStats()  # count this prompt set only
     start, outputs = time.perf_counter(), []
     for p in prompts:
         outputs.append(llm.generate([p], params)[0].token_ids)
     elapsed = time.perf_counter() - start
     result = DecoderResult(sum(len(o) for o in outputs) / elapsed, outputs)
     if spec is not None:
-        drafted = spec.stats.num_draft_tokens - before[0]
-        accepted = spec.stats.num_accepted_tokens - before[1]
-        runs = spec.stats.num_drafts - before[2]
-        result.acceptance_rate = accepted / drafted if drafted else 0.0
-        result.mean_acceptance_length = 1 + accepted / runs if runs else 1.0
+        result.acceptance_rate = spec.stats.acceptance_rate
+        result.mean_acceptance_length = spec.stats.mean_acceptance_length
     return result
 
 

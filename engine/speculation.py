@@ -36,6 +36,11 @@ class SpecDecodeStats:
             self.accepted_per_position[position] += 1
 
     @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over proposed draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verified draft run: accepted drafts plus the one sampled token."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from engine.core_protocol import EngineDeadError
 from engine.sampling import SampledToken, SamplingParams
 from server.detokenizer import IncrementalDetokenizer
 from server.metrics import ServerMetrics
@@ -41,8 +42,9 @@ class Usage:
         }
 
 
-class EngineAbortedError(RuntimeError):
-    """The engine ended a choice that the server did not ask to end."""
+class EngineAbortedError(EngineDeadError):
+    """The engine ended a choice that the server did not ask to end: the engine failed this
+    request, and it is answered like an engine failure (503 / an error event)."""
 
 
 @dataclass

@@ -36,9 +36,6 @@ class ServerProcess:
             start_new_session=True,
         )
 
-    def wait_listening(self, timeout: float = 120) -> None:
-        self._wait(lambda r: r is not None, timeout, "listen")
-
     def wait_ready(self, timeout: float = 120) -> None:
         self._wait(lambda r: r is not None and r.status_code == 200, timeout, "become ready")
 
