@@ -32,13 +32,80 @@ class SchedulerConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2)
 
 
+DecoderName = Literal["autoregressive", "ngram", "draft", "layerskip", "hierarchical"]
+
+
+class DraftModelConfig(_Strict):
+    """The ``draft`` decoder's model: a separate model sharing the target's tokenizer, or
+    ``"self"``, a cheaper copy of the target (see ``quantization`` and ``num_layers``)."""
+
+    model: str = "self"  # "self", or any model the loader takes (name, directory, .gguf, hub id)
+    # Weight-only precision of the draft's projections: int8 (per-channel), bfloat16, or none.
+    quantization: Literal["none", "bfloat16", "int8"] = "int8"
+    # Keep only the first N layers (then the final norm and LM head); None keeps all.
+    num_layers: int | None = Field(None, ge=1)
+
+
+class LayerSkipConfig(_Strict):
+    """The ``layerskip`` draft: the target with sublayers skipped (Draft & Verify) or cut
+    after ``exit_layer`` (LayerSkip's early exit). ``specserve tune layerskip`` fills these."""
+
+    skip_attention: list[int] = Field(default_factory=list)
+    skip_mlp: list[int] = Field(default_factory=list)
+    exit_layer: int | None = Field(None, ge=0)
+
+
+class WindowConfig(_Strict):
+    """How many tokens a drafter drafts, up to k: all of them (fixed); until the draft's top-1
+    probability falls below gamma, with gamma adapted after each verification (adaptive_exit,
+    Draft & Verify); until the draft's entropy exceeds tau, tau tracking the mean entropy of
+    rejected drafts (entropy, HSDDW)."""
+
+    policy: Literal["fixed", "adaptive_exit", "entropy"] = "fixed"
+    gamma: float = Field(0.6, ge=0, le=1)  # adaptive_exit: initial threshold
+    target_acceptance: float = Field(0.8, gt=0, lt=1)  # adaptive_exit: the rate gamma steers to
+    step: float = Field(0.01, gt=0, le=0.5)  # adaptive_exit: epsilon
+    acceptance_smoothing: float = Field(0.5, ge=0, lt=1)  # adaptive_exit: beta1
+    gamma_smoothing: float = Field(0.9, ge=0, lt=1)  # adaptive_exit: beta2
+    tau: float = Field(2.0, gt=0)  # entropy: initial threshold, nats
+
+
+class GateConfig(_Strict):
+    """Target-confidence gating: no drafts for a sequence while the target's probability for
+    its last emitted token is below ``min_target_prob`` (None: never gated)."""
+
+    min_target_prob: float | None = Field(None, gt=0, lt=1)
+
+
+class HierarchicalConfig(_Strict):
+    """HSDDW's three levels: ``level1`` drafts for the ``draft`` model (level 2), which
+    verifies and extends while its entropy stays below ``tau2``; the target verifies last."""
+
+    level1: Literal["ngram", "draft_truncated"] = "ngram"
+    level1_num_layers: int = Field(4, ge=1)  # draft_truncated: layers of the level-2 model kept
+    tau2: float = Field(1.0, gt=0)
+
+
 class DecoderConfig(_Strict):
-    method: Literal["autoregressive", "ngram"] = "autoregressive"
+    # The decoder of requests that do not pick one.
+    method: DecoderName = "autoregressive"
+    # Further decoders loaded alongside, for requests that pick one ("speculative").
+    extra_methods: list[DecoderName] = Field(default_factory=list)
     # Draft tokens per step (k): the most a drafting decoder proposes for one sequence.
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     # ngram: the longest and shortest suffix n-gram looked up in the prompt and output.
     prompt_lookup_max: int = Field(4, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)
+    draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
+    layerskip: LayerSkipConfig = Field(default_factory=LayerSkipConfig)
+    hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
+    window: WindowConfig = Field(default_factory=WindowConfig)
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+    @property
+    def methods(self) -> list[str]:
+        """Every loaded decoder, the default first, each once."""
+        return list(dict.fromkeys([self.method, *self.extra_methods]))
 
 
 class EngineConfig(_Strict):

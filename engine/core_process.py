@@ -433,7 +433,17 @@ class AsyncEngineClient:
 
 
 def _sum_counters(a: EngineStats, b: EngineStats) -> dict:
-    return {name: _add(getattr(a, name), getattr(b, name)) for name in EngineStats.COUNTERS}
+    summed = {
+        name: _add(getattr(a, name), getattr(b, name))
+        for name in EngineStats.COUNTERS
+        if name != "spec_by_decoder"
+    }
+    by_decoder = dict(a.spec_by_decoder)
+    for name, counts in b.spec_by_decoder:
+        old = by_decoder.get(name)
+        by_decoder[name] = counts if old is None else tuple(map(_add, old, counts))
+    summed["spec_by_decoder"] = tuple(by_decoder.items())
+    return summed
 
 
 def _add(a, b):

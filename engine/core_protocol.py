@@ -63,6 +63,7 @@ class EngineStats:
         "spec_num_draft_tokens",
         "spec_num_accepted_tokens",
         "spec_accepted_per_position",
+        "spec_by_decoder",
     )
 
     num_running: int = 0  # requests with at least one sequence in the running queue
@@ -79,6 +80,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # accepted drafts at position 0, 1, ...
+    # The same four counters per drafting decoder: (name, (drafts, draft tokens, accepted,
+    # accepted per position)), one entry per loaded decoder.
+    spec_by_decoder: tuple[tuple[str, tuple], ...] = ()
 
 
 @dataclass
@@ -243,8 +247,21 @@ def _spec_stats(engine: Engine) -> dict:
     if engine.speculator is None:
         return {}
     spec = engine.speculator.stats
+    by_decoder = tuple(
+        (
+            name,
+            (
+                stats.num_drafts,
+                stats.num_draft_tokens,
+                stats.num_accepted_tokens,
+                tuple(stats.accepted_per_position),
+            ),
+        )
+        for name, stats in engine.speculator.stats_by_decoder.items()
+    )
     return {
-        "decoder": engine.speculator.decoder.name,
+        "decoder": engine.speculator.default_method,
+        "spec_by_decoder": by_decoder,
         "spec_num_drafts": spec.num_drafts,
         "spec_num_draft_tokens": spec.num_draft_tokens,
         "spec_num_accepted_tokens": spec.num_accepted_tokens,

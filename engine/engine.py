@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import EngineConfig
-from engine.decoders import SpeculativeOptions, build_decoder
+from engine.config import DecoderConfig, EngineConfig
+from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
+from engine.decoders.gate import TargetConfidenceGate
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
@@ -79,29 +80,37 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, config.device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
-        decoder = build_decoder(config.decoder)
-        self.speculator = (
-            None
-            if decoder.name == "autoregressive"
-            else Speculator(
-                decoder,
-                config.decoder.num_speculative_tokens,
-                self.block_manager,
-                self.eos_token_ids,
-                self.max_model_len,
-            )
-        )
+        self.speculator = self._build_speculator(config.decoder)
         self.requests: dict[str, Request] = {}
         # Requests with a continuation aborted since the last step: that step reports them.
         self._aborted_since_step: set[str] = set()
 
+    def _build_speculator(self, config: DecoderConfig) -> Speculator | None:
+        target = TargetContext(self.model, self.kv_cache, self.config.device, self.eos_token_ids)
+        drafting = {
+            name: build_decoder(name, config, target)
+            for name in config.methods
+            if name != "autoregressive"
+        }
+        if not drafting:
+            return None
+        return Speculator(
+            drafting,
+            config.method,
+            config.num_speculative_tokens,
+            self.block_manager,
+            self.eos_token_ids,
+            self.max_model_len,
+            TargetConfidenceGate(config.gate.min_target_prob),
+        )
+
     # ---- requests ----------------------------------------------------------------------
     @property
     def loaded_decoders(self) -> list[str]:
-        """Decoders a request may pick: always autoregressive, and the configured one."""
+        """Decoders a request may pick: always autoregressive, and the configured ones."""
         names = ["autoregressive"]
         if self.speculator is not None:
-            names.append(self.speculator.decoder.name)
+            names += list(self.speculator.decoders)
         return names
 
     def add_request(
@@ -204,9 +213,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; returns the requests that got new tokens or had a
         continuation aborted since the last step (finished ones are then removed)."""
-        proposals = self.speculator.propose(self.scheduler.running) if self.speculator else {}
-        lookahead = {seq: len(p.token_ids) for seq, p in proposals.items()}
+        spec = self.speculator
+        lookahead = spec.plan(self.scheduler.running) if spec else {}
         scheduled = self.scheduler.schedule(lookahead).scheduled
+        # Drafting comes after scheduling: a model drafter writes K/V into the granted slots.
+        proposals = spec.propose(scheduled) if spec else {}
         new_tokens = self._run(scheduled, proposals) if scheduled else {}
         progressed = {seq.request_id for seq in new_tokens} | self._aborted_since_step
         self._aborted_since_step = set()

@@ -34,8 +34,11 @@ class ModelRunner:
         self.device = torch.device(device)
 
     @torch.inference_mode()
-    def run(self, items: Sequence[ForwardItem]) -> torch.Tensor:
-        """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order."""
+    def run(self, items: Sequence[ForwardItem], **model_options) -> torch.Tensor:
+        """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order.
+
+        ``model_options`` go to the model's forward (layer subsets and skips of self drafts).
+        """
         input_ids, positions, logits_rows, slices = [], [], [], []
         row = 0
         for item in items:
@@ -55,5 +58,6 @@ class ModelRunner:
             self.kv_cache.layers,
             attn,
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            **model_options,
         )
         return out.logits

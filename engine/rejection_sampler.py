@@ -35,7 +35,7 @@ from engine.sampling import (
     sample_from_probabilities,
 )
 
-__all__ = ["DraftRun", "RejectionSampler", "VerifiedRun"]
+__all__ = ["DraftRun", "RejectionSampler", "VerifiedRun", "position_row"]
 
 # (number of accepted drafts m, the m + 1 emitted token ids) for one run.
 _Outcome = tuple[int, list[int]]
@@ -92,11 +92,22 @@ class _PositionRow:
     output_token_ids: Sequence[int]
 
 
+def position_row(
+    params: SamplingParams,
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    drafts: Sequence[int],
+) -> _PositionRow:
+    """The sampling row of the position after ``drafts``: the request as if they had been
+    emitted (drafters process their own logits with it, so q and p see the same history)."""
+    return _PositionRow(params, prompt_token_ids, _History(output_token_ids, drafts))
+
+
 def _position_rows(run: DraftRun) -> list[_PositionRow]:
     row, drafts = run.row, run.draft_token_ids
     return [
-        _PositionRow(row.sampling_params, row.prompt_token_ids, _History(row.output_token_ids, d))
-        for d in (drafts[:j] for j in range(len(drafts) + 1))
+        position_row(row.sampling_params, row.prompt_token_ids, row.output_token_ids, drafts[:j])
+        for j in range(len(drafts) + 1)
     ]
 
 

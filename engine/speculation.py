@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.decoders import Decoder, Proposal
+from engine.decoders.gate import TargetConfidenceGate
 from engine.kv_cache import BlockManager
 from engine.model_runner import ForwardItem
 from engine.rejection_sampler import DraftRun, RejectionSampler
@@ -47,29 +50,67 @@ class SpecDecodeStats:
 
 
 class Speculator:
+    """Runs the loaded drafting decoders for the sequences that use them, and verifies.
+
+    Each sequence drafts with the decoder its request picked (``speculative.method``), or the
+    engine's default; "autoregressive" sequences ride along as plain decode rows.
+    """
+
     def __init__(
         self,
-        decoder: Decoder,
+        decoders: dict[str, Decoder],
+        default_method: str,
         num_speculative_tokens: int,
         block_manager: BlockManager,
         eos_token_ids,
         max_model_len: int,
+        gate: TargetConfidenceGate | None = None,
     ):
-        self.decoder = decoder
+        self.decoders = decoders  # drafting decoders by name (autoregressive is not one)
+        self.default_method = default_method
         self.num_speculative_tokens = num_speculative_tokens  # k unless a request sets its own
         self.block_manager = block_manager
         self.max_model_len = max_model_len
+        self.gate = gate or TargetConfidenceGate(None)
         self.rejection_sampler = RejectionSampler(eos_token_ids)
-        self.stats = SpecDecodeStats()
+        self.stats = SpecDecodeStats()  # all decoders together
+        self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
 
-    def propose(self, running: list[Sequence]) -> dict[Sequence, Proposal]:
-        decoding = [
-            s
-            for s in running
-            if s.num_uncomputed_tokens == 1
-            and (s.speculative is None or s.speculative.method == self.decoder.name)
-        ]
-        return self.decoder.propose(decoding, {s: self._max_drafts(s) for s in decoding})
+    def decoder_of(self, seq: Sequence) -> Decoder | None:
+        method = seq.speculative.method if seq.speculative is not None else self.default_method
+        return self.decoders.get(method)
+
+    def _by_decoder(self, seqs) -> dict[Decoder, list[Sequence]]:
+        groups: dict[Decoder, list[Sequence]] = {}
+        for seq in seqs:
+            decoder = self.decoder_of(seq)
+            if decoder is not None:
+                groups.setdefault(decoder, []).append(seq)
+        return groups
+
+    def plan(self, running: list[Sequence]) -> dict[Sequence, int]:
+        """Draft slots each decoding sequence asks for (the scheduler grants what it can)."""
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1 and self.gate.allows(s)]
+        lookahead: dict[Sequence, int] = {}
+        for decoder, seqs in self._by_decoder(decoding).items():
+            wants = decoder.plan(seqs, {s: self._max_drafts(s) for s in seqs})
+            lookahead.update({s: n for s, n in wants.items() if n > 0})
+        return lookahead
+
+    def propose(self, scheduled: list[ScheduledSequence]) -> dict[Sequence, Proposal]:
+        """Drafts for the sequences granted lookahead slots; a sequence's ``num_lookahead``
+        becomes the number of drafts it really got (a window may stop short of the grant)."""
+        granted = {s.seq: s for s in scheduled if s.num_lookahead > 0}
+        proposals: dict[Sequence, Proposal] = {}
+        for decoder, seqs in self._by_decoder(granted).items():
+            proposals.update(decoder.propose(seqs, {s: granted[s].num_lookahead for s in seqs}))
+        for seq, s in granted.items():
+            proposal = proposals.get(seq)
+            count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
+            if proposal is not None and count == 0:
+                del proposals[seq]
+            s.num_lookahead = count
+        return proposals
 
     def _max_drafts(self, seq: Sequence) -> int:
         k = self.num_speculative_tokens
@@ -128,9 +169,36 @@ class Speculator:
         for s, run, v in zip(seqs, runs, verified, strict=True):
             k = len(run.draft_token_ids)
             if k:
-                # Keep the decode token and the accepted drafts; drop the rejected ones.
-                self.block_manager.rollback(s.seq, s.seq.num_computed_tokens - k + v.num_accepted)
-                self.decoder.on_verified(s.seq, proposals[s.seq], v.num_accepted)
+                decoder = self.decoder_of(s.seq)
+                decoder.on_verified(s.seq, proposals[s.seq], v.num_accepted)
+                self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
+        self._trim(scheduled, runs, verified)
+        if self.gate.enabled:
+            self._observe_target_confidence(logits, runs, verified)
         return results
+
+    def _trim(self, scheduled, runs, verified) -> None:
+        """Drop rejected drafts from the cache, and any granted slot no draft used."""
+        accepted = {run.row: v.num_accepted for run, v in zip(runs, verified, strict=True)}
+        for s in scheduled:
+            seq = s.seq
+            drafted = s.num_lookahead
+            keep = seq.num_computed_tokens - drafted + accepted.get(seq, drafted)
+            if keep != seq.num_computed_tokens or self.block_manager.has_spare_blocks(seq):
+                self.block_manager.rollback(seq, keep)
+
+    def _observe_target_confidence(self, logits, runs, verified) -> None:
+        """The target's probability for each sequence's last emitted token, for the gate."""
+        rows, ids, row = [], [], 0
+        for run, v in zip(runs, verified, strict=True):
+            rows.append(row + v.num_accepted)
+            ids.append(v.tokens[-1].token_id)
+            row += len(run.draft_token_ids) + 1
+        if not rows:
+            return
+        probs = torch.softmax(logits[rows].float(), dim=-1)
+        chosen = probs[torch.arange(len(rows)), torch.tensor(ids)].tolist()
+        for run, p in zip(runs, chosen, strict=True):
+            self.gate.observe(run.row, p)

@@ -78,29 +78,29 @@ class EngineStatsCollector(Collector):
 
     def _spec_decode(self, s):
         """vLLM's spec_decode_* counters, labelled by the decoder that drafted (none for an
-        autoregressive engine, which has no drafts to count)."""
-        if getattr(s, "decoder", "autoregressive") == "autoregressive":
+        engine with no drafting decoder loaded, which has no drafts to count)."""
+        by_decoder = getattr(s, "spec_by_decoder", ()) if s else ()
+        if not by_decoder:
             return
-        labels, values = ["model_name", "decoder"], [self.model_name, getattr(s, "decoder", "")]
-        counters = {
-            "spec_decode_num_drafts": ("Draft runs verified", "spec_num_drafts"),
-            "spec_decode_num_draft_tokens": ("Draft tokens proposed", "spec_num_draft_tokens"),
-            "spec_decode_num_accepted_tokens": (
-                "Draft tokens accepted",
-                "spec_num_accepted_tokens",
-            ),
+        labels = ["model_name", "decoder"]
+        names = {
+            "spec_decode_num_drafts": "Draft runs verified",
+            "spec_decode_num_draft_tokens": "Draft tokens proposed",
+            "spec_decode_num_accepted_tokens": "Draft tokens accepted",
         }
-        for name, (doc, attr) in counters.items():
-            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            c.add_metric(values, int(getattr(s, attr, 0) if s else 0))
-            yield c
+        families = [CounterMetricFamily(PREFIX + n, doc, labels=labels) for n, doc in names.items()]
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position",
             labels=[*labels, "position"],
         )
-        for position, count in enumerate(getattr(s, "spec_accepted_per_position", ()) or ()):
-            per_pos.add_metric([*values, str(position)], count)
+        for decoder, (drafts, draft_tokens, accepted, per_position) in by_decoder:
+            values = [self.model_name, decoder]
+            for family, count in zip(families, (drafts, draft_tokens, accepted), strict=True):
+                family.add_metric(values, count)
+            for position, count in enumerate(per_position):
+                per_pos.add_metric([*values, str(position)], count)
+        yield from families
         yield per_pos
 
 

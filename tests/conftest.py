@@ -68,7 +68,10 @@ def tiny_server(tiny_chat_model_dir, tmp_path_factory):
     from tests.server_process import ServerProcess
 
     proc = ServerProcess(
-        "--model", str(tiny_chat_model_dir), "--served-model-name", "tiny",
+        "--model",
+        str(tiny_chat_model_dir),
+        "--served-model-name",
+        "tiny",
         log_path=tmp_path_factory.mktemp("server") / "server.log",
     )
     try:

@@ -69,8 +69,15 @@ def test_per_request_choice_gives_identical_greedy_text(server):
 def test_per_request_choice_streams_over_sse(server):
     plain = complete(server, speculative={"method": "autoregressive"}).json()
     runs = spec_metric(server, "spec_decode_num_drafts_total")
-    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 40,
-            "ignore_eos": True, "stream": True, "speculative": {"method": "ngram"}}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "temperature": 0,
+        "max_tokens": 40,
+        "ignore_eos": True,
+        "stream": True,
+        "speculative": {"method": "ngram"},
+    }
     text = ""
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():

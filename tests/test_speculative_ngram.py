@@ -146,7 +146,7 @@ def test_sampled_ngram_matches_the_target_distribution(engines, params, monkeypa
     speculator = ngram.engine.speculator
     # A random model's first token rarely has a prompt match: draft a fixed, plausible token
     # for every sequence so that every second token really goes through verification.
-    monkeypatch.setattr(speculator, "decoder", AlwaysDrafts())
+    monkeypatch.setitem(speculator.decoders, "ngram", AlwaysDrafts())
     runs_before = speculator.stats.num_drafts
     prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
     draws = 3000
@@ -170,10 +170,13 @@ class AlwaysDrafts:
 
     name = "ngram"
 
-    def propose(self, seqs, max_drafts):
+    def plan(self, seqs, max_drafts):
+        return {s: k for s, k in max_drafts.items() if k > 0}
+
+    def propose(self, seqs, num_drafts):
         from engine.decoders import Proposal
 
-        return {s: Proposal([7] * max_drafts[s]) for s in seqs if max_drafts[s] > 0}
+        return {s: Proposal([7] * num_drafts[s]) for s in seqs}
 
     def on_verified(self, seq, proposal, num_accepted):
         pass

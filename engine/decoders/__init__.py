@@ -1,16 +1,32 @@
-"""Speculative decoders, one file each, selected by ``decoder.method`` in the config."""
+"""Speculative decoders, one file each, selected by ``decoder.method`` in the config (and per
+request among ``decoder.extra_methods``)."""
 
 from engine.config import DecoderConfig
-from engine.decoders.base import Decoder, Proposal, SpeculativeOptions
+from engine.decoders.base import Decoder, Proposal, SpeculativeOptions, TargetContext
 from engine.decoders.ngram import NgramDecoder
 
-DECODERS = ("autoregressive", "ngram")
+DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical")
 
 
-def build_decoder(config: DecoderConfig) -> Decoder:
-    if config.method == "ngram":
+def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> Decoder:
+    """The decoder called ``name``, configured by ``config``."""
+    if name == "ngram":
         return NgramDecoder(config.prompt_lookup_min, config.prompt_lookup_max)
-    return Decoder()
+    if name == "draft":
+        from engine.decoders.draft import build_draft_decoder
+
+        return build_draft_decoder(config, target)
+    if name == "layerskip":
+        from engine.decoders.layerskip import build_layerskip_decoder
+
+        return build_layerskip_decoder(config, target)
+    if name == "hierarchical":
+        from engine.decoders.hierarchical import HierarchicalDecoder
+
+        return HierarchicalDecoder(config, target)
+    if name == "autoregressive":
+        return Decoder()
+    raise ValueError(f"unknown decoder {name!r}; known: {', '.join(DECODERS)}")
 
 
 __all__ = [
@@ -19,5 +35,6 @@ __all__ = [
     "NgramDecoder",
     "Proposal",
     "SpeculativeOptions",
+    "TargetContext",
     "build_decoder",
 ]

@@ -1,13 +1,16 @@
 """The decoder interface: what a speculative decoder proposes, and what it hears back.
 
-A decoder only drafts. The model runner verifies every sequence's drafts in the step's one
-forward pass, the rejection sampler accepts per sequence, and the engine rolls the KV cache
-back past rejected drafts; the decoder is then told how many of its drafts were accepted.
+A decoder only drafts. A step goes: ``plan`` says how many drafts each decoding sequence
+wants; the scheduler grants lookahead slots for them from what the step leaves over;
+``propose`` drafts at most the granted number (a model drafter runs its model now, writing
+its K/V into the granted slots); the model runner verifies every sequence's drafts in the
+step's one forward pass, the rejection sampler accepts per sequence, the engine rolls the KV
+cache back past rejected drafts, and ``on_verified`` tells the decoder how many it accepted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,20 +39,40 @@ class Proposal:
 
     token_ids: list[int]
     # The drafter's distributions q after the target's processing, [k, vocab]; None for a
-    # deterministic drafter (q is one-hot at each draft token).
+    # deterministic drafter (q is one-hot at each draft token) and for greedy requests.
     draft_probs: torch.Tensor | None = None
+    # Per draft token, how sure the drafter was: its top-1 probability and its entropy (nats).
+    # A deterministic drafter is sure (1.0, 0.0); window policies read these.
+    confidences: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
 
 
 class Decoder:
-    """Plain autoregressive decoding: no drafts. Drafting decoders override ``propose``."""
+    """Plain autoregressive decoding: no drafts. Drafting decoders override the hooks."""
 
     name = "autoregressive"
 
-    def propose(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict:
-        """Drafts for some of ``seqs`` (each in decode state: one uncomputed token), at most
-        ``max_drafts[seq]`` tokens each (the request's or the configured k, cut to the room
-        left); sequences without a proposal just decode."""
+    def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
+        """How many draft slots each of ``seqs`` (each in decode state: one uncomputed token)
+        asks for, at most ``max_drafts[seq]`` (the request's or the configured k, cut to the
+        room left). Sequences left out just decode."""
+        return {}
+
+    def propose(self, seqs: list[Sequence], num_drafts: dict[Sequence, int]) -> dict:
+        """Drafts for ``seqs``, at most ``num_drafts[seq]`` each (the slots the scheduler
+        granted; at least 1). Returns ``{seq: Proposal}``; a sequence may be left out."""
         return {}
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """The target accepted the first ``num_accepted`` drafts of ``proposal``."""
+
+
+@dataclass
+class TargetContext:
+    """What a decoder may build its drafter from: the target model, its KV cache (self drafts
+    share it) and the cache geometry (a separate draft model mirrors it)."""
+
+    model: object  # engine.models.llama.LlamaModel
+    kv_cache: object  # engine.kv_cache.KVCache
+    device: str
+    eos_token_ids: frozenset[int]

@@ -36,14 +36,23 @@ class NgramDecoder(Decoder):
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+        # Found while planning, handed out (cut to the granted slots) when proposing.
+        self._found: dict[Sequence, list[int]] = {}
 
-    def propose(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict:
-        proposals = {}
+    def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
+        self._found = {}
         for seq in seqs:
             k = max_drafts[seq]  # the request's k (or ours), cut to what it can still use
-            if k <= 0:
-                continue
-            drafts = find_continuation(seq.token_ids, self.min_n, self.max_n, k)
+            drafts = find_continuation(seq.token_ids, self.min_n, self.max_n, k) if k > 0 else []
             if drafts:
-                proposals[seq] = Proposal(drafts)
+                self._found[seq] = drafts
+        return {seq: len(drafts) for seq, drafts in self._found.items()}
+
+    def propose(self, seqs: list[Sequence], num_drafts: dict[Sequence, int]) -> dict:
+        found, self._found = self._found, {}
+        proposals = {}
+        for seq in seqs:
+            drafts = found.get(seq, [])[: num_drafts[seq]]
+            if drafts:
+                proposals[seq] = Proposal(drafts, None, [1.0] * len(drafts), [0.0] * len(drafts))
         return proposals

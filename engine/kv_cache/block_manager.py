@@ -143,6 +143,10 @@ class BlockManager:
         while len(seq.block_table) > keep:
             self._unref(seq.block_table.pop())
 
+    def has_spare_blocks(self, seq: CachedSequence) -> bool:
+        """True when ``seq`` holds blocks past its computed tokens (unused lookahead)."""
+        return len(seq.block_table) > -(-seq.num_computed_tokens // self.block_size)
+
     def commit_full_blocks(self, seq: CachedSequence) -> None:
         """Hash the blocks that are now full of computed, accepted tokens so that later
         sequences can share them."""

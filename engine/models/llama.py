@@ -114,7 +114,20 @@ class DecoderLayer(nn.Module):
         rope: RopeFactors,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
+        attention: bool = True,
+        mlp: bool = True,
     ) -> torch.Tensor:
+        """``attention=False`` / ``mlp=False`` skip that sublayer (a layer-skip draft): the
+        residual stream passes through unchanged, and no K/V is written for this layer."""
+        if attention:
+            hidden = self._attention(hidden, rope, kv_cache, attn)
+        if mlp:
+            x = rms_norm(hidden, self.post_attention_norm, self.arch.rms_norm_eps)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + self.down(F.silu(gate) * up)
+        return hidden
+
+    def _attention(self, hidden, rope, kv_cache, attn) -> torch.Tensor:
         arch = self.arch
         x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
         qkv = self.qkv(x)
@@ -124,10 +137,7 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].unflatten(1, (arch.num_kv_heads, arch.head_dim))
         out = paged_attention(q, k, v, kv_cache, attn)
-        hidden = hidden + self.o(out.reshape(-1, self.q_size))
-        x = rms_norm(hidden, self.post_attention_norm, arch.rms_norm_eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+        return hidden + self.o(out.reshape(-1, self.q_size))
 
 
 @dataclass
@@ -165,8 +175,7 @@ class LlamaModel(nn.Module):
     @property
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads: every projection and the LM head."""
-        linears = [m for m in self.modules() if isinstance(m, Linear)]
-        return sum(m.nbytes for m in linears)
+        return sum(getattr(m, "nbytes", 0) for m in self.modules() if m is not self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens.index_select(0, input_ids)
@@ -185,20 +194,25 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor | None = None,
         layer_ids: Sequence[int] | None = None,
         hidden_layer: int | None = None,
+        skip_attention: frozenset[int] = frozenset(),
+        skip_mlp: frozenset[int] = frozenset(),
     ) -> ModelOutput:
         """Run a flattened batch.
 
         ``logits_indices`` selects the token rows that need logits (None: all rows).
         ``layer_ids`` runs only a subset of layers (layer skipping); ``hidden_layer`` also
         returns the hidden states after that layer (for early exit and draft heads), for the
-        rows selected by ``logits_indices``.
+        rows selected by ``logits_indices``. ``skip_attention`` and ``skip_mlp`` name layers
+        whose attention or MLP sublayer is skipped.
         """
-        layer_ids = range(self.arch.num_layers) if layer_ids is None else layer_ids
+        layer_ids = range(len(self.layers)) if layer_ids is None else layer_ids
         hidden = self.embed(input_ids)
         rope = self.rope.lookup(positions)
         captured = None
         for i in layer_ids:
-            hidden = self.layers[i](hidden, rope, kv_caches[i], attn)
+            hidden = self.layers[i](
+                hidden, rope, kv_caches[i], attn, i not in skip_attention, i not in skip_mlp
+            )
             if i == hidden_layer:
                 captured = hidden
         if logits_indices is not None:

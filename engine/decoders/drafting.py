@@ -1,0 +1,212 @@
+"""Drafting with a model: k cheap autoregressive steps for every drafting sequence at once.
+
+Used by every model-based decoder (a separate draft model, self drafts, layer skipping, the
+levels of the hierarchy). Each step runs the draft model once over all sequences still
+drafting (a flattened batch, like the target's step), processes its logits with each request's
+own sampling parameters and the drafts so far as hypothetical history (so q is processed
+exactly as the target's p will be), and draws the next draft token from q: the argmax for
+greedy requests, a draw from the sequence's own draft generator otherwise.
+
+**Where the draft's K/V live.** The draft writes K/V for the tokens it reads at their
+positions, through the sequence's block table:
+
+- a *shared* cache (self drafts: same layer shapes as the target) is the target's own: the
+  draft reads the target's exact K/V for the verified context and writes approximate K/V into
+  the lookahead slots the scheduler granted, which the verification pass then overwrites;
+- an *own* cache (a separate draft model) has the draft's own tensors over the same block ids,
+  so the target's block allocation, rollback and freeing apply to it unchanged. The draft
+  catches up lazily on tokens it has not read (a new or preempted sequence reads its whole
+  prefix once; after a verification, the tokens after the accepted drafts).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.decoders.base import Proposal
+from engine.model_runner import ForwardItem, ModelRunner
+from engine.rejection_sampler import position_row
+from engine.sampling import (
+    make_generator,
+    probabilities,
+    process_logits,
+    sample_from_probabilities,
+)
+
+if TYPE_CHECKING:  # engine.sequence imports engine.decoders
+    from engine.sequence import Sequence
+
+# Offsets a seeded request's draft generator from its sampling generator: the draft's draws
+# must be independent of the acceptance draws.
+DRAFT_SEED_OFFSET = 0x5D2A_F7
+
+__all__ = ["ModelDrafter", "draft_statistics"]
+
+
+@dataclass
+class _DraftState:
+    num_cached: int  # leading tokens whose draft K/V are valid (own cache)
+    num_preemptions: int  # the sequence's count when num_cached was set
+    generator: torch.Generator
+    start: int = 0  # position of the first token read in the current drafting round
+
+
+def draft_statistics(distributions: torch.Tensor) -> tuple[list[float], list[float]]:
+    """Top-1 probability and entropy (nats) of each row of ``distributions`` ([R, V])."""
+    probs = distributions.float()
+    top = probs.max(dim=-1).values
+    logs = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))
+    entropy = -(probs * logs).sum(dim=-1)
+    return top.tolist(), entropy.clamp_min(0).tolist()
+
+
+class ModelDrafter:
+    """Drafts chains with ``runner``'s model; see the module docstring for the cache modes."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        eos_token_ids: Collection[int],
+        window,
+        shares_target_cache: bool,
+        model_options: dict | None = None,
+    ):
+        self.runner = runner
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.window = window
+        self.shares_target_cache = shares_target_cache
+        self.model_options = model_options or {}
+        self._states: weakref.WeakKeyDictionary[Sequence, _DraftState] = weakref.WeakKeyDictionary()
+
+    def _state(self, seq: Sequence) -> _DraftState:
+        state = self._states.get(seq)
+        if state is None or state.num_preemptions != seq.num_preemptions:
+            # New, or preempted since (its blocks were freed): nothing of it is cached.
+            seed = seq.sampling_params.seed
+            state = _DraftState(
+                0,
+                seq.num_preemptions,
+                make_generator(None if seed is None else seed + DRAFT_SEED_OFFSET),
+            )
+            self._states[seq] = state
+        if self.shares_target_cache:
+            state.num_cached = seq.num_computed_tokens  # the target's cache is authoritative
+        state.num_cached = min(state.num_cached, seq.num_computed_tokens)
+        return state
+
+    def begin_round(self, seq: Sequence) -> None:
+        """Start drafting for ``seq`` at its decode token."""
+        self._state(seq).start = seq.num_computed_tokens
+
+    def generator(self, seq: Sequence) -> torch.Generator:
+        return self._state_of(seq).generator
+
+    def _state_of(self, seq: Sequence) -> _DraftState:
+        return self._states.get(seq) or self._state(seq)
+
+    def forward(
+        self,
+        seqs: list[Sequence],
+        chains: dict[Sequence, list[int]],
+        num_logits: dict[Sequence, int],
+    ) -> torch.Tensor:
+        """Run the draft model over each sequence's tokens followed by ``chains[seq]``, from
+        the first position it has no K/V for; returns the raw logits of the last
+        ``num_logits[seq]`` positions of each, sequence after sequence."""
+        items = []
+        for s in seqs:
+            state = self._states[s]
+            tokens = (s.token_ids + chains[s])[state.num_cached :]
+            items.append(ForwardItem(tokens, state.num_cached, s.block_table, num_logits[s]))
+            state.num_cached += len(tokens)
+        return self.runner.run(items, **self.model_options)
+
+    def rewind(self, seq: Sequence, num_valid: int) -> None:
+        """Only the first ``num_valid`` tokens of ``seq`` (with its chain) are what the draft
+        read: the K/V past them are of tokens that were replaced."""
+        state = self._states[seq]
+        state.num_cached = min(state.num_cached, num_valid)
+
+    def distributions(self, logits: torch.Tensor, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """(distributions, processed logits) of draft logits for ``rows``: q for sampled rows;
+        for greedy rows, whose processed distribution is a point mass, the raw softmax (what
+        the window policies judge confidence by)."""
+        processed = process_logits(logits, rows, self.eos_token_ids)
+        dists = probabilities(processed)
+        greedy = [row.sampling_params.greedy for row in rows]
+        if any(greedy):
+            raw = torch.softmax(logits, dim=-1)
+            mask = torch.tensor(greedy, device=dists.device).unsqueeze(-1)
+            dists = torch.where(mask, raw, dists)
+        return dists, processed
+
+    def draft(
+        self, seqs: list[Sequence], num_drafts: dict[Sequence, int], prefixes=None
+    ) -> dict[Sequence, Proposal]:
+        """Draft up to ``num_drafts[seq]`` tokens for each sequence, stopping a sequence early
+        when the window policy says so. ``prefixes[seq]`` (optional) are tokens already
+        drafted for it, read as context before drafting more (and not returned)."""
+        prefixes = prefixes or {}
+        active = [s for s in seqs if num_drafts.get(s, 0) > 0]
+        for s in active:
+            self.begin_round(s)
+        chains = {s: list(prefixes.get(s, [])) for s in active}
+        drafts: dict[Sequence, list[int]] = {s: [] for s in active}
+        q_rows: dict[Sequence, list[torch.Tensor]] = {s: [] for s in active}
+        confidences: dict[Sequence, list[float]] = {s: [] for s in active}
+        entropies: dict[Sequence, list[float]] = {s: [] for s in active}
+        while active:
+            logits = self.forward(active, chains, {s: 1 for s in active})
+            rows = [
+                position_row(s.sampling_params, s.prompt_token_ids, s.output_token_ids, chains[s])
+                for s in active
+            ]
+            dists, processed = self.distributions(logits, rows)
+            tops, ents = draft_statistics(dists)
+            tokens = processed.argmax(dim=-1).tolist()
+            greedy = [s.sampling_params.greedy for s in active]
+            sampled = [i for i, g in enumerate(greedy) if not g]
+            if sampled:
+                uniforms = torch.cat(
+                    [
+                        torch.rand(1, generator=self.generator(active[i]), dtype=torch.float64)
+                        for i in sampled
+                    ]
+                )
+                draws = sample_from_probabilities(dists[sampled], uniforms).tolist()
+                for i, token in zip(sampled, draws, strict=True):
+                    tokens[i] = token
+            still = []
+            for i, s in enumerate(active):
+                token = tokens[i]
+                drafts[s].append(token)
+                chains[s].append(token)
+                if not greedy[i]:
+                    q_rows[s].append(dists[i])
+                confidences[s].append(tops[i])
+                entropies[s].append(ents[i])
+                if len(drafts[s]) < num_drafts[s] and self.window.keep_drafting(tops[i], ents[i]):
+                    still.append(s)
+            active = still
+        return {
+            s: Proposal(
+                drafts[s],
+                torch.stack(q_rows[s]) if q_rows[s] else None,
+                confidences[s],
+                entropies[s],
+            )
+            for s in drafts
+        }
+
+    def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
+        """Keep the draft K/V of the tokens that stood: the decode token and the accepted
+        drafts (the draft read all drafts but the last)."""
+        self.window.on_verified(proposal, num_accepted)
+        state = self._states.get(seq)
+        if state is not None and not self.shares_target_cache:
+            state.num_cached = min(state.num_cached, state.start + 1 + num_accepted)

@@ -1,0 +1,119 @@
+"""Cheaper copies of a target model, to draft for it ("self" drafts).
+
+A copy shares the target's embeddings, norms and rope, and either holds its projections at a
+lower weight precision (int8 per output channel, or bfloat16), or keeps only its first layers,
+or both. Weight reads bound a decode step, so halving or quartering the bytes read is what
+can make a copy cheap enough to draft; docs/benchmarks.md has what each one pays.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.linear import ONEDNN_BATCH_HINT, Linear
+from engine.models.llama import DecoderLayer, LlamaModel
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 with one float scale per output channel; activations stay float.
+
+    On the CPU torch's ``_weight_int8pack_mm`` runs the product from the int8 weights with
+    bfloat16 activations (what gpt-fast uses); elsewhere the weights are dequantized per call.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        w = weight.float()
+        scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127
+        self.weight = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8)
+        self.scale = scale.to(torch.bfloat16)
+        self.bias = bias
+        self.nbytes = self.weight.numel() + self.scale.numel() * 2
+        self._fused = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused:
+            y = torch.ops.aten._weight_int8pack_mm(
+                x.to(torch.bfloat16).contiguous(), self.weight, self.scale
+            ).to(x.dtype)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype) * self.scale.to(x.dtype)[:, None])
+        return y if self.bias is None else y + self.bias
+
+
+class BFloat16Linear(nn.Module):
+    """bfloat16 weights (oneDNN-packed on the CPU), float activations in and out."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        w = weight.to(torch.bfloat16)
+        self.packed = w.device.type == "cpu" and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        if self.packed:
+            w = torch.ops.mkldnn._reorder_linear_weight(w, ONEDNN_BATCH_HINT)
+        self.weight = w
+        self.bias = bias
+        self.nbytes = weight.numel() * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(torch.bfloat16).contiguous()
+        if self.packed:
+            y = torch.ops.mkldnn._linear_pointwise(xb, self.weight, None, "none", [], "")
+        else:
+            y = F.linear(xb, self.weight)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+QUANTIZERS = {"int8": Int8Linear, "bfloat16": BFloat16Linear}
+
+
+def dense_weight(linear: Linear) -> torch.Tensor:
+    """A Linear's weight as a plain [out, in] tensor (unpacking a oneDNN-packed one)."""
+    if not linear.packed:
+        return linear.weight
+    eye = torch.eye(linear.in_features, dtype=torch.float32, device="cpu")
+    # x @ W.T with x = I gives W.T: the product itself undoes the opaque packing.
+    bias, linear.bias = linear.bias, None
+    try:
+        return linear(eye).t().contiguous()
+    finally:
+        linear.bias = bias
+
+
+def _quantized(linear: Linear, quantization: str) -> nn.Module:
+    if quantization == "none":
+        return linear
+    return QUANTIZERS[quantization](dense_weight(linear), linear.bias)
+
+
+def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int | None = None):
+    """A copy of ``target`` with its first ``num_layers`` layers (all if None) and its
+    projections and LM head at ``quantization`` precision ("none", "bfloat16" or "int8").
+
+    The copy has the target's layer shapes, so it can read and write the target's KV cache.
+    """
+    keep = target.arch.num_layers if num_layers is None else num_layers
+    if not 1 <= keep <= target.arch.num_layers:
+        raise ValueError(f"num_layers must be in [1, {target.arch.num_layers}], got {num_layers}")
+    layers = [
+        DecoderLayer(
+            target.arch,
+            layer.input_norm,
+            _quantized(layer.qkv, quantization),
+            _quantized(layer.o, quantization),
+            layer.post_attention_norm,
+            _quantized(layer.gate_up, quantization),
+            _quantized(layer.down, quantization),
+        )
+        for layer in list(target.layers)[:keep]
+    ]
+    return LlamaModel(
+        target.arch,
+        target.rope,
+        target.embed_tokens,
+        layers,
+        target.final_norm,
+        _quantized(target.lm_head, quantization),
+    )
