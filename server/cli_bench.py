@@ -8,6 +8,8 @@ from server.cli_generate import add_model_arguments, engine_config_from_args
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    if args.decoder:  # the decoder comparison: --decoder all, or variant names
+        return _run_decoder_bench(args, args.decoder)
     from engine.bench import run_offline
 
     run_offline(
@@ -36,18 +38,39 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_decoders(args: argparse.Namespace) -> int:
-    from engine.bench_decoders import run_decoder_bench
-    from engine.decoders import DECODERS
+    return _run_decoder_bench(args, args.decoders or args.decoder or "all")
 
-    decoders = list(DECODERS) if args.decoders == "all" else args.decoders.split(",")
-    run_decoder_bench(
-        engine_config_from_args(args),
-        decoders,
-        args.num_speculative_tokens or 4,
-        args.max_tokens,
+
+def _run_decoder_bench(args: argparse.Namespace, variants: str) -> int:
+    from engine.bench_decoders import DecoderBenchOptions, run_decoder_bench
+
+    # --decoder names variants here, not the engine's decoder: the base config keeps its own.
+    config = engine_config_from_args(argparse.Namespace(**{**vars(args), "decoder": None}))
+    options = DecoderBenchOptions(
+        decoders=variants,
+        k=args.num_speculative_tokens or 4,
+        max_tokens=args.max_tokens,
+        prompts_per_set=args.prompts_per_set,
         with_hf=not args.no_hf,
+        layerskip_config=args.layerskip_config,
     )
+    if args.plot:
+        options.plot = None if args.plot == "none" else args.plot
+    run_decoder_bench(config, options)
     return 0
+
+
+def _add_decoder_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prompts-per-set", type=int, help="first N prompts of each set (default: all)")
+    p.add_argument(
+        "--layerskip-config",
+        help="YAML with the layerskip variant's skip set (as `specserve tune layerskip` "
+        "writes); default: a fixed set of late MLPs",
+    )
+    p.add_argument(
+        "--plot",
+        help="PNG of the speedups to write (default: docs/decoders-benchmark.png), or none",
+    )
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -55,27 +78,34 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     which = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     offline = which.add_parser(
         "offline",
-        help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate()",
+        help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate(); with "
+        "--decoder all (or variant names), speculative decoders vs autoregressive",
+        description="Without --decoder: decode tokens/s at batch 1 and N and TTFT against "
+        "transformers generate(). With --decoder all, or comma-separated variant names "
+        "(ngram, draft-int8, draft-bf16, draft-int8-8layers, layerskip, hierarchical, "
+        "draft-int8-adaptive, draft-int8-entropy, draft-int8-gate0.3): each speculative "
+        "decoder against autoregressive decoding and transformers' assisted generation on the "
+        "chat and input-grounded prompt sets, a table, and a PNG plot.",
     )
     add_model_arguments(offline)
     offline.add_argument("--batch", type=int, default=16)
     offline.add_argument("--max-tokens", type=int, default=128)
     offline.add_argument("--prompt-len", type=int, default=512)
     offline.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    _add_decoder_bench_arguments(offline)
     offline.set_defaults(func=_cmd_bench_offline)
     linear = which.add_parser(
         "linear", help="GB/s of F.linear vs transposed matmul vs oneDNN for SmolLM2's shapes"
     )
     linear.set_defaults(func=_cmd_bench_linear)
     decoders = which.add_parser(
-        "decoders",
-        help="speculative decoders vs autoregressive (and transformers) on chat and "
-        "input-grounded prompts",
+        "decoders", help="the same as `bench offline --decoder all` (--decoders picks variants)"
     )
     add_model_arguments(decoders)
-    decoders.add_argument("--decoders", default="all", help="comma-separated, or all")
+    decoders.add_argument("--decoders", help="comma-separated variant names, or all (default)")
     decoders.add_argument("--max-tokens", type=int, default=128)
     decoders.add_argument("--no-hf", action="store_true", help="skip transformers")
+    _add_decoder_bench_arguments(decoders)
     decoders.set_defaults(func=_cmd_bench_decoders)
     serve = which.add_parser(
         "serve",

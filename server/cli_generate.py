@@ -14,8 +14,22 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help="engine config YAML (default: the built-in defaults, as in configs/default.yaml)",
     )
     p.add_argument("--model", help="model name, local HF directory, .gguf file or hub id")
-    p.add_argument("--decoder", help="decoder method: autoregressive (default) or ngram")
+    p.add_argument(
+        "--decoder",
+        help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
+        "layerskip or hierarchical",
+    )
+    p.add_argument(
+        "--extra-decoders",
+        help="comma-separated decoders also loaded, for requests that pick one "
+        '("speculative": {"method": ...})',
+    )
     p.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (k)")
+    p.add_argument(
+        "--draft-model",
+        help='the draft decoder\'s model: "self" (a cheaper copy of the target, the default) '
+        "or a model sharing the target's tokenizer (name, directory, .gguf or hub id)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -25,6 +39,10 @@ def engine_config_from_args(args: argparse.Namespace):
     config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
     overrides: dict = {"model": args.model} if args.model else {}
     decoder = {"method": args.decoder, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.extra_decoders:
+        decoder["extra_methods"] = [m.strip() for m in args.extra_decoders.split(",") if m.strip()]
+    if args.draft_model:
+        decoder["draft"] = {**config.decoder.draft.model_dump(), "model": args.draft_model}
     decoder = {k: v for k, v in decoder.items() if v is not None}
     if decoder:
         overrides["decoder"] = decoder

@@ -97,17 +97,23 @@ def test_bench_serve_reports_percentiles(tiny_chat_model_dir, tmp_path):
     assert cells[4].count("/") == 2 and cells[5].count("/") == 2  # p50/p90/p99
 
 
-def test_bench_decoders_reports_speedup_and_identity(tiny_chat_model_dir):
+def test_bench_offline_decoder_reports_speedup_identity_and_plot(tiny_chat_model_dir, tmp_path):
+    plot = tmp_path / "decoders.png"
     result = subprocess.run(
         [
             *SPECSERVE,
             "bench",
-            "decoders",
+            "offline",
+            "--decoder",
+            "ngram,draft-int8",
             "--model",
             str(tiny_chat_model_dir),
-            "--no-hf",
             "--max-tokens",
-            "8",
+            "6",
+            "--prompts-per-set",
+            "1",
+            "--plot",
+            str(plot),
         ],
         capture_output=True,
         text=True,
@@ -115,6 +121,39 @@ def test_bench_decoders_reports_speedup_and_identity(tiny_chat_model_dir):
         check=True,
     )
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][1:]
-    methods = {(r.split("|")[1].strip(), r.split("|")[2].strip()) for r in rows}
-    assert {("chat", "ngram"), ("grounded", "ngram"), ("grounded", "autoregressive")} <= methods
-    assert all(r.rstrip("| ").endswith("yes") for r in rows)  # identical to autoregressive
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    by_method = {(c[0], c[1]): c for c in cells}
+    for prompts in ("chat", "grounded"):
+        for method in ("autoregressive", "ngram", "draft-int8"):
+            row = by_method[(prompts, method)]
+            assert row[6] == "yes"  # identical to autoregressive
+            assert float(row[3].rstrip("x")) > 0 and "+" in row[8]  # speedup; step costs
+        assert (prompts, "transformers assistant_model=bf16 copy") in by_method
+    assert "target forward pass after" in result.stdout
+    assert plot.stat().st_size > 1000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_decoders_alias_runs_the_same_comparison(tiny_chat_model_dir):
+    result = subprocess.run(
+        [
+            *SPECSERVE,
+            "bench",
+            "decoders",
+            "--decoders",
+            "ngram",
+            "--model",
+            str(tiny_chat_model_dir),
+            "--no-hf",
+            "--max-tokens",
+            "4",
+            "--prompts-per-set",
+            "1",
+            "--plot",
+            "none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    assert "| grounded | ngram |" in result.stdout and "plot:" not in result.stdout

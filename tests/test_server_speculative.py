@@ -1,4 +1,5 @@
-"""A server with the ngram decoder: per-request choice over SSE and WebSocket, spec metrics."""
+"""A server with several decoders loaded: per-request choice over SSE and WebSocket, spec
+metrics labelled by decoder."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.server_process import ServerProcess
 MODEL = "tiny"
 # Repetitive text: prompt lookup finds matches, so drafts are proposed and accepted.
 PROMPT = "one two three four five " * 8
+MODEL_DRAFTERS = ("draft", "layerskip", "hierarchical")
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +23,13 @@ def server(tiny_chat_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("spec")
     config = tmp / "config.yaml"
     # min 1: a random model's text rarely repeats 2-grams, but its greedy loops repeat tokens.
-    config.write_text("decoder:\n  method: autoregressive\n  prompt_lookup_min: 1\n")
+    config.write_text(
+        "decoder:\n  method: autoregressive\n  prompt_lookup_min: 1\n"
+        "  layerskip:\n    skip_mlp: [1]\n"
+    )
     args = ["--config", str(config), "--model", str(tiny_chat_model_dir)]
     args += ["--served-model-name", MODEL, "--decoder", "ngram", "--num-speculative-tokens", "3"]
+    args += ["--extra-decoders", ",".join(MODEL_DRAFTERS)]
     proc = ServerProcess(*args, log_path=tmp / "server.log")
     try:
         proc.wait_ready()
@@ -44,10 +50,12 @@ def complete(server, **extra):
     return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
 
 
-def spec_metric(server, name: str) -> float:
+def spec_metric(server, name: str, decoder: str = "ngram") -> float:
     text = httpx.get(server.url + "/metrics", timeout=10).text
-    line = next(li for li in text.splitlines() if li.startswith(f"specserve:{name}{{"))
-    assert 'decoder="ngram"' in line
+    label = f'decoder="{decoder}"'
+    line = next(
+        li for li in text.splitlines() if li.startswith(f"specserve:{name}{{") and label in li
+    )
     return float(line.rsplit(" ", 1)[1])
 
 
@@ -66,9 +74,10 @@ def test_per_request_choice_gives_identical_greedy_text(server):
     assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{decoder="ngram",' in text
 
 
-def test_per_request_choice_streams_over_sse(server):
+@pytest.mark.parametrize("method", ["ngram", *MODEL_DRAFTERS])
+def test_per_request_choice_streams_over_sse(server, method):
     plain = complete(server, speculative={"method": "autoregressive"}).json()
-    runs = spec_metric(server, "spec_decode_num_drafts_total")
+    runs = spec_metric(server, "spec_decode_num_drafts_total", method)
     body = {
         "model": MODEL,
         "prompt": PROMPT,
@@ -76,7 +85,7 @@ def test_per_request_choice_streams_over_sse(server):
         "max_tokens": 40,
         "ignore_eos": True,
         "stream": True,
-        "speculative": {"method": "ngram"},
+        "speculative": {"method": method},
     }
     text = ""
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
@@ -84,17 +93,19 @@ def test_per_request_choice_streams_over_sse(server):
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == plain["choices"][0]["text"]
-    assert spec_metric(server, "spec_decode_num_drafts_total") > runs
+    assert spec_metric(server, "spec_decode_num_drafts_total", method) > runs
 
 
 def test_unloaded_decoder_is_a_400_listing_the_loaded_ones(server):
     r = complete(server, stream=True, speculative={"method": "eagle"})
     assert r.status_code == 400
     err = r.json()["error"]
-    assert err["param"] == "speculative.method" and "autoregressive, ngram" in err["message"]
+    assert err["param"] == "speculative.method"
+    assert "autoregressive, ngram, draft, layerskip, hierarchical" in err["message"]
 
 
-def test_speculative_over_websocket(server):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_over_websocket(server, method):
     async def main():
         async with websockets.connect(server.url.replace("http", "ws") + "/v1/ws") as ws:
             await ws.send(
@@ -106,7 +117,7 @@ def test_speculative_over_websocket(server):
                         "temperature": 0,
                         "max_tokens": 20,
                         "ignore_eos": True,
-                        "speculative": {"method": "ngram"},
+                        "speculative": {"method": method},
                     }
                 )
             )
@@ -118,3 +129,14 @@ def test_speculative_over_websocket(server):
     text = asyncio.run(main())
     plain = complete(server, max_tokens=20, speculative={"method": "autoregressive"}).json()
     assert text == plain["choices"][0]["text"]
+
+
+def test_sampled_requests_with_a_model_drafter_complete(server):
+    """Sampling goes through the general-q rejection rule; a seed makes it repeatable."""
+    runs = spec_metric(server, "spec_decode_num_drafts_total", "draft")
+    extra = {"temperature": 0.8, "top_p": 0.9, "seed": 7, "speculative": {"method": "draft"}}
+    first = complete(server, **extra).json()
+    second = complete(server, **extra).json()
+    assert first["usage"]["completion_tokens"] == 40
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert spec_metric(server, "spec_decode_num_drafts_total", "draft") > runs
