@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.core_process import AsyncEngineClient
 from server.errors import APIError
 from server.metrics import ServerMetrics
+from server.spec_log import log_spec_decode
 
 log = logging.getLogger("specserve")
 
@@ -39,11 +40,13 @@ class ServerState:
         self.reserved = 0  # sequences of accepted requests that have not ended
         self.created = int(time.time())
         self._starting: asyncio.Task | None = None
+        self._spec_log: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Start the engine in the background: /health answers 503 until it is ready."""
         self._starting = asyncio.create_task(self._start())
         self._starting.add_done_callback(self._log_start_failure)
+        self._spec_log = asyncio.create_task(log_spec_decode(lambda: self.client.totals))
 
     @staticmethod
     def _log_start_failure(task: asyncio.Task) -> None:
@@ -61,6 +64,9 @@ class ServerState:
     async def stop(self) -> None:
         if self._starting is not None and not self._starting.done():
             self._starting.cancel()
+        if self._spec_log is not None:
+            self._spec_log.cancel()
+            await asyncio.gather(self._spec_log, return_exceptions=True)
         await self.client.shutdown()
 
     @property

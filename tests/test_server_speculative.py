@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -30,7 +31,8 @@ def server(tiny_chat_model_dir, tmp_path_factory):
     args = ["--config", str(config), "--model", str(tiny_chat_model_dir)]
     args += ["--served-model-name", MODEL, "--decoder", "ngram", "--num-speculative-tokens", "3"]
     args += ["--extra-decoders", ",".join(MODEL_DRAFTERS)]
-    proc = ServerProcess(*args, log_path=tmp / "server.log")
+    env = {"SPECSERVE_SPEC_LOG_INTERVAL_S": "0.5"}
+    proc = ServerProcess(*args, env=env, log_path=tmp / "server.log")
     try:
         proc.wait_ready()
         yield proc
@@ -140,3 +142,28 @@ def test_sampled_requests_with_a_model_drafter_complete(server):
     assert first["usage"]["completion_tokens"] == 40
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert spec_metric(server, "spec_decode_num_drafts_total", "draft") > runs
+
+
+def test_acceptance_is_logged_per_decoder(server):
+    complete(server, speculative={"method": "draft"})
+    log_path = server.log_path
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [li for li in log_path.read_text().splitlines() if "decoder=draft" in li]
+        if lines:
+            break
+        time.sleep(0.2)
+    assert lines, "no spec decode log line for the draft decoder"
+    assert "mean_acceptance_length=" in lines[-1] and "acceptance_rate=" in lines[-1]
+
+
+def test_spec_log_lines_report_the_interval_only():
+    from server.spec_log import spec_log_lines
+
+    before = {"draft": (10, 40, 30, (9, 8, 7, 6))}
+    after = {"draft": (14, 56, 40, (12, 11, 9, 8)), "ngram": (0, 0, 0, ())}
+    (line,) = spec_log_lines(before, after)
+    assert "decoder=draft drafts=4 draft_tokens=16 accepted=10" in line
+    assert "acceptance_rate=0.625 mean_acceptance_length=3.50" in line
+    assert "per_position_acceptance=[0.75, 0.75, 0.50, 0.50]" in line
+    assert spec_log_lines(after, after) == []
