@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
@@ -101,6 +101,18 @@ class DecoderConfig(_Strict):
     hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+
+    @model_validator(mode="after")
+    def _layerskip_has_a_draft(self) -> DecoderConfig:
+        skip = self.layerskip
+        if "layerskip" in self.methods and not (
+            skip.skip_attention or skip.skip_mlp or skip.exit_layer is not None
+        ):
+            raise ValueError(
+                "layerskip needs layerskip.skip_attention, skip_mlp or exit_layer (without "
+                "them the draft is the target itself); `specserve tune layerskip` searches them"
+            )
+        return self
 
     @property
     def methods(self) -> list[str]:
