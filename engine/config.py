@@ -40,8 +40,9 @@ class DraftModelConfig(_Strict):
     ``"self"``, a cheaper copy of the target (see ``quantization`` and ``num_layers``)."""
 
     model: str = "self"  # "self", or any model the loader takes (name, directory, .gguf, hub id)
-    # Weight-only precision of the draft's projections: int8 (per-channel), bfloat16, or none.
-    quantization: Literal["none", "bfloat16", "int8"] = "int8"
+    # Weight-only precision of the draft's projections: int8 (per channel), int4 (per group of
+    # 32 inputs), bfloat16, or none.
+    quantization: Literal["none", "bfloat16", "int8", "int4"] = "int8"
     # Keep only the first N layers (then the final norm and LM head); None keeps all.
     num_layers: int | None = Field(None, ge=1)
 

@@ -1,8 +1,8 @@
 """Cheaper copies of a target model, to draft for it ("self" drafts).
 
 A copy shares the target's embeddings, norms and rope, and either holds its projections at a
-lower weight precision (int8 per output channel, or bfloat16), or keeps only its first layers,
-or both. Weight reads bound a decode step, so halving or quartering the bytes read is what
+lower weight precision (int8 per output channel, int4 per group of 32 inputs, or bfloat16), or
+keeps only its first layers, or both. Weight reads bound a decode step, so halving or quartering the bytes read is what
 can make a copy cheap enough to draft; docs/benchmarks.md has what each one pays.
 """
 
@@ -43,6 +43,53 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class Int4Linear(nn.Module):
+    """Weight-only int4, asymmetric, one scale and zero per group of ``group`` inputs.
+
+    On the CPU torch's ``_weight_int4pack_mm_for_cpu`` runs the product from packed nibbles with
+    bfloat16 activations; elsewhere the weights are dequantized per call.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: int = 32):
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % group:
+            raise ValueError(f"int4 needs in_features divisible by {group}, got {in_features}")
+        grouped = weight.float().reshape(out_features, in_features // group, group)
+        low, high = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+        scale = (high - low).clamp_min(1e-8) / 15
+        codes = ((grouped - low) / scale).round().clamp(0, 15)
+        # torch's kernels dequantize as (code - 8) * scale + zero.
+        zero = low + 8 * scale
+        self.group = group
+        self.bias = bias
+        self._fused = weight.device.type == "cpu" and hasattr(
+            torch.ops.aten, "_weight_int4pack_mm_for_cpu"
+        )
+        if self._fused:
+            self.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.reshape(out_features, in_features).to(torch.int32), 1
+            )
+            self.scale_zero = (
+                torch.stack([scale.squeeze(-1), zero.squeeze(-1)], dim=-1)
+                .transpose(0, 1)
+                .contiguous()
+                .to(torch.bfloat16)
+            )
+        else:
+            self.weight = (codes * scale + low).reshape(out_features, in_features)
+        self.nbytes = out_features * in_features // 2 + 4 * out_features * in_features // group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16).contiguous(), self.weight, self.group, self.scale_zero
+            ).to(x.dtype)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
 class BFloat16Linear(nn.Module):
     """bfloat16 weights (oneDNN-packed on the CPU), float activations in and out."""
 
@@ -66,7 +113,7 @@ class BFloat16Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-QUANTIZERS = {"int8": Int8Linear, "bfloat16": BFloat16Linear}
+QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
 
 
 def dense_weight(linear: Linear) -> torch.Tensor:
@@ -90,7 +137,8 @@ def _quantized(linear: Linear, quantization: str) -> nn.Module:
 
 def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int | None = None):
     """A copy of ``target`` with its first ``num_layers`` layers (all if None) and its
-    projections and LM head at ``quantization`` precision ("none", "bfloat16" or "int8").
+    projections and LM head at ``quantization`` precision ("none", "bfloat16", "int8" or
+    "int4").
 
     The copy has the target's layer shapes, so it can read and write the target's KV cache.
     """
