@@ -79,3 +79,26 @@ def tiny_server(tiny_chat_model_dir, tmp_path_factory):
         yield proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """A separate draft model for the tiny Llama: its weights plus small noise, so that its
+    greedy drafts are accepted about half the time."""
+    from tests.tiny_models import save_perturbed_copy
+
+    return save_perturbed_copy(
+        tiny_model_dir, tmp_path_factory.mktemp("tiny-draft") / "llama", 0.005
+    )
+
+
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """One intra-op thread for the module: the tiny models' ops are too small to split, and on
+    a busy machine extra threads spin-wait for cores (steps run ~50x slower)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -45,3 +45,18 @@ def save_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **over
         model = LlamaForCausalLM(LlamaConfig(**common))
     model.save_pretrained(path)
     return path
+
+
+def save_perturbed_copy(source: Path, path: Path, noise: float, seed: int = 1) -> Path:
+    """Write ``source``'s checkpoint with Gaussian noise of std ``noise`` added to every weight:
+    a separate model that shares the vocabulary and mostly agrees with ``source`` (a draft
+    model with its own KV cache whose drafts are often, not always, accepted)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * noise)
+    model.save_pretrained(path)
+    return path

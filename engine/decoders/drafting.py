@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # engine.sequence imports engine.decoders
 # must be independent of the acceptance draws.
 DRAFT_SEED_OFFSET = 0x5D2A_F7
 
-__all__ = ["ModelDrafter", "draft_statistics"]
+__all__ = ["DRAFT_SEED_OFFSET", "ModelDrafter", "draft_statistics"]
 
 
 @dataclass
@@ -75,29 +75,39 @@ class ModelDrafter:
         window,
         shares_target_cache: bool,
         model_options: dict | None = None,
+        seed_offset: int = DRAFT_SEED_OFFSET,
     ):
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
         self.window = window
         self.shares_target_cache = shares_target_cache
         self.model_options = model_options or {}
+        # Two drafters over one sequence (the levels of `hierarchical`) need different offsets:
+        # a draw must never be reused by whoever verifies it.
+        self.seed_offset = seed_offset
         self._states: weakref.WeakKeyDictionary[Sequence, _DraftState] = weakref.WeakKeyDictionary()
 
     def _state(self, seq: Sequence) -> _DraftState:
         state = self._states.get(seq)
-        if state is None or state.num_preemptions != seq.num_preemptions:
-            # New, or preempted since (its blocks were freed): nothing of it is cached.
-            seed = seq.sampling_params.seed
-            state = _DraftState(
-                0,
-                seq.num_preemptions,
-                make_generator(None if seed is None else seed + DRAFT_SEED_OFFSET),
-            )
+        if state is None:
+            state = _DraftState(0, seq.num_preemptions, self._new_generator(seq))
             self._states[seq] = state
+        elif state.num_preemptions != seq.num_preemptions:
+            # Preempted since: its blocks were freed, so nothing of it is cached. The draft
+            # stream goes on: restarting it would reuse draws that already shaped the output.
+            state.num_cached, state.num_preemptions = 0, seq.num_preemptions
         if self.shares_target_cache:
             state.num_cached = seq.num_computed_tokens  # the target's cache is authoritative
         state.num_cached = min(state.num_cached, seq.num_computed_tokens)
         return state
+
+    def _new_generator(self, seq: Sequence) -> torch.Generator:
+        """A draft stream of the sequence's own, independent of its sampling stream and of
+        every other drafter's: seeded from the sequence's seed (each of a request's n
+        continuations has its own) when the request has a seed, fresh otherwise."""
+        if seq.sampling_params.seed is None or seq.generator is None:
+            return make_generator(None)
+        return make_generator(seq.generator.initial_seed() + self.seed_offset)
 
     def begin_round(self, seq: Sequence) -> None:
         """Start drafting for ``seq`` at its decode token."""

@@ -23,7 +23,7 @@ import torch
 from engine.config import DecoderConfig
 from engine.decoders.base import Decoder, Proposal, TargetContext
 from engine.decoders.draft import load_draft_model
-from engine.decoders.drafting import ModelDrafter, draft_statistics
+from engine.decoders.drafting import DRAFT_SEED_OFFSET, ModelDrafter, draft_statistics
 from engine.decoders.ngram import find_continuation
 from engine.decoders.windows import FixedWindow, build_window
 from engine.kv_cache import KVCache
@@ -33,6 +33,9 @@ from engine.rejection_sampler import DraftRun, RejectionSampler, position_row
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
+
+# Level 1's draft stream must differ from level 2's, whose draws verify level 1's drafts.
+LEVEL1_SEED_OFFSET = DRAFT_SEED_OFFSET + 0x1F1
 
 
 def first_layers(model: LlamaModel, num_layers: int) -> LlamaModel:
@@ -81,6 +84,7 @@ class HierarchicalDecoder(Decoder):
                 target.eos_token_ids,
                 FixedWindow(),
                 shares_target_cache=True,
+                seed_offset=LEVEL1_SEED_OFFSET,
             )
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
         self.level2_sampler = RejectionSampler(target.eos_token_ids)

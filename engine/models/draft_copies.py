@@ -2,8 +2,9 @@
 
 A copy shares the target's embeddings, norms and rope, and either holds its projections at a
 lower weight precision (int8 per output channel, int4 per group of 32 inputs, or bfloat16), or
-keeps only its first layers, or both. Weight reads bound a decode step, so halving or quartering the bytes read is what
-can make a copy cheap enough to draft; docs/benchmarks.md has what each one pays.
+keeps only its first layers, or both. Weight reads bound a decode step, so halving or
+quartering the bytes read is what can make a copy cheap enough to draft; docs/benchmarks.md
+has what each one pays.
 """
 
 from __future__ import annotations
