@@ -2,16 +2,14 @@
 (``specserve bench offline --decoder all``).
 
 Every variant (a decoder with its settings: draft precision, window policy, gate) runs on one
-engine: the target, its KV cache and its scheduler are loaded once and only the speculator is
-swapped, so the variants differ in nothing else. The prefix cache is off, so every pass
-prefills its prompts as transformers does. Per variant and prompt set: batch-1 greedy tokens/s
-(each prompt alone), the speedup over ``autoregressive`` measured in the same run, acceptance
-rate, mean acceptance length, whether the tokens equal autoregressive's (they must), and where
-a decode step's time went: drafting (the speculator's ``propose``), the target's verification
-forward pass, and the rest of the step. A variant slower than autoregressive is reported with
-those measured costs. The same prompts also run through transformers' ``generate()``: plain,
-with ``prompt_lookup_num_tokens``, and with ``assistant_model`` (SmolLM2 in bfloat16, and its
-first layers), with their agreement with our greedy tokens.
+engine: the target, its KV cache and scheduler are loaded once and only the speculator is
+swapped. Methods are interleaved prompt by prompt, so a change in the machine's load hits all
+alike; the prefix cache is off, so every pass prefills as transformers does. Per variant and
+prompt set: batch-1 greedy tokens/s, speedup over ``autoregressive``, acceptance rate, mean
+acceptance length, whether the tokens equal autoregressive's (they must), and where a decode
+step's time went (drafting, the target's verification pass, the rest), from which a variant
+slower than autoregressive gets its measured reason. transformers' ``generate()`` runs on the
+same prompts: plain, with ``prompt_lookup_num_tokens`` and with ``assistant_model``.
 """
 
 from __future__ import annotations
@@ -25,6 +23,13 @@ from pathlib import Path
 import torch
 import yaml
 
+from engine.bench_report import (
+    losing_reason,
+    plot_decoder_bench,
+    print_header,
+    print_rows,
+    print_summary,
+)
 from engine.config import DecoderConfig, EngineConfig, LayerSkipConfig
 from engine.llm import LLM
 from engine.model_runner import ForwardItem
@@ -64,6 +69,10 @@ class StepCosts:
     def rest_s(self) -> float:
         return self.step_s - self.draft_s - self.verify_s
 
+    def add(self, other: StepCosts) -> None:
+        for name in ("steps", "tokens", "rows", "step_s", "draft_s", "verify_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
 
 @dataclass
 class DecoderResult:
@@ -72,7 +81,9 @@ class DecoderResult:
     acceptance_rate: float | None = None
     mean_acceptance_length: float | None = None
     draft_tokens: int = 0
-    costs: StepCosts | None = None
+    costs: StepCosts | None = None  # ours only
+    repeatable: bool = True  # the same tokens in every repeat
+    spread: float = 0.0  # the largest (slowest / fastest - 1) of a prompt's repeats
 
 
 @dataclass
@@ -81,6 +92,7 @@ class DecoderBenchOptions:
     k: int = 4
     max_tokens: int = 64
     prompts_per_set: int | None = None  # None: every prompt of each set
+    repeats: int = 1  # rounds over all prompts and methods; each one's fastest run counts
     with_hf: bool = True
     layerskip_config: str | None = None  # YAML from `specserve tune layerskip`
     plot: str | Path | None = DEFAULT_PLOT
@@ -94,26 +106,30 @@ def load_prompt_set(name: str) -> list[str]:
 
 # ---- variants ----------------------------------------------------------------------------
 def default_layerskip(num_layers: int) -> dict:
-    """A fixed skip set: the MLP of every other layer in the last third (not the last)."""
-    late = range(num_layers - 2, (2 * num_layers) // 3 - 1, -2)
-    return {"skip_mlp": sorted(late) or [0], "skip_attention": [], "exit_layer": None}
+    """A fixed skip set: the MLP of every other layer in the last third, short of the end."""
+    late = range((2 * num_layers) // 3, num_layers - 2, 2)
+    return {"layerskip": {"skip_mlp": list(late) or [0], "skip_attention": [], "exit_layer": None}}
 
 
 def load_layerskip(path: str | Path) -> dict:
-    """The skip set in a YAML file: an engine config (``decoder.layerskip``), a mapping with
-    ``layerskip``, or the LayerSkipConfig fields themselves."""
+    """The layerskip variant's settings from a YAML file: an engine config as `specserve tune
+    layerskip` writes (its ``decoder.layerskip``, and the k and window it tuned with), a
+    mapping with ``layerskip``, or the LayerSkipConfig fields themselves."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"layerskip config {str(path)!r} not found")
     data = yaml.safe_load(path.read_text()) or {}
-    for key in ("decoder", "layerskip"):
-        if isinstance(data, dict) and isinstance(data.get(key), dict):
-            data = data[key]
+    tuned = {}
+    if isinstance(data, dict) and isinstance(data.get("decoder"), dict):
+        data = data["decoder"]
+        tuned = {k: data[k] for k in ("num_speculative_tokens", "window") if k in data}
+    if isinstance(data, dict) and isinstance(data.get("layerskip"), dict):
+        data = data["layerskip"]
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping with skip_attention/skip_mlp/exit_layer")
     fields = {k: v for k, v in data.items() if k in LayerSkipConfig.model_fields}
     try:
-        return LayerSkipConfig.model_validate(fields).model_dump()
+        return {"layerskip": LayerSkipConfig.model_validate(fields).model_dump(), **tuned}
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 
@@ -129,11 +145,12 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
     return [
         Variant("ngram", {"method": "ngram"}),
         Variant("draft-int8", draft()),
+        Variant("draft-int4", draft("int4")),
         Variant("draft-bf16", draft("bfloat16")),
         Variant(f"draft-int8-{truncated}layers", draft(layers=truncated)),
         Variant(
-            "layerskip",
-            {"method": "layerskip", "layerskip": layerskip or default_layerskip(num_layers)},
+            "layerskip" if layerskip is None else "layerskip-tuned",
+            {"method": "layerskip", **(layerskip or default_layerskip(num_layers))},
         ),
         Variant("hierarchical", {**draft(), "method": "hierarchical", "hierarchical": {}}),
         Variant("draft-int8-adaptive", draft(window={"policy": "adaptive_exit"})),
@@ -147,6 +164,7 @@ def select_variants(spec: str, variants: list[Variant]) -> list[Variant]:
     if spec.strip() == "all":
         return variants
     by_name = {v.name: v for v in variants}
+    by_name.setdefault("layerskip", by_name.get("layerskip-tuned"))
     names = [n.strip() for n in spec.split(",") if n.strip() and n.strip() != "autoregressive"]
     unknown = [n for n in names if n not in by_name]
     if unknown:
@@ -165,35 +183,9 @@ def _merged(base: dict, overrides: dict) -> dict:
 
 
 def decoder_config(base: DecoderConfig, variant: Variant, k: int) -> DecoderConfig:
-    fields = _merged(base.model_dump(), variant.decoder)
-    fields.update(extra_methods=[], num_speculative_tokens=k)
+    fields = _merged(base.model_dump(), {"num_speculative_tokens": k, **variant.decoder})
+    fields["extra_methods"] = []
     return DecoderConfig.model_validate(fields)
-
-
-def describe(config: DecoderConfig) -> str:
-    """The settings that make a variant what it is, in one line."""
-    parts = [f"{config.method}, k={config.num_speculative_tokens}"]
-    if config.method in ("draft", "hierarchical"):
-        d = config.draft
-        layers = "all layers" if d.num_layers is None else f"first {d.num_layers} layers"
-        parts.append(f"draft {d.model} ({d.quantization}, {layers})")
-    if config.method == "ngram":
-        parts.append(f"n-grams {config.prompt_lookup_min}-{config.prompt_lookup_max}")
-    if config.method == "layerskip":
-        s = config.layerskip
-        parts.append(
-            f"skip_attention {s.skip_attention}, skip_mlp {s.skip_mlp}, exit_layer {s.exit_layer}"
-        )
-    if config.method == "hierarchical":
-        h = config.hierarchical
-        parts.append(f"level 1 {h.level1}, tau2 {h.tau2}")
-    if config.method != "ngram":
-        w = config.window
-        detail = {"adaptive_exit": f" gamma {w.gamma}", "entropy": f" tau {w.tau}"}
-        parts.append(f"window {w.policy}{detail.get(w.policy, '')}")
-    if config.gate.min_target_prob is not None:
-        parts.append(f"gate min_target_prob {config.gate.min_target_prob}")
-    return "; ".join(parts)
 
 
 # ---- instrumentation ---------------------------------------------------------------------
@@ -270,45 +262,104 @@ def forward_costs(engine, context: list[int], max_rows: int, repeats: int = 7) -
 
 
 # ---- measured passes ---------------------------------------------------------------------
-def run_ours(llm: LLM, prompts: list[list[int]], max_tokens: int, timer: StepTimer):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.generate([prompts[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
-    spec = llm.engine.speculator
-    if spec is not None:
-        spec.stats = SpecDecodeStats()  # count this pass only
-    timer.costs = StepCosts()
-    start, outputs = time.perf_counter(), []
-    for p in prompts:
-        outputs.append(llm.generate([p], params)[0].token_ids)
-    elapsed = time.perf_counter() - start
-    costs, timer.costs = timer.costs, StepCosts()  # nothing after this pass counts in it
-    result = DecoderResult(sum(len(o) for o in outputs) / elapsed, outputs, costs=costs)
-    if spec is not None:
-        result.acceptance_rate = spec.stats.acceptance_rate
-        result.mean_acceptance_length = spec.stats.mean_acceptance_length
-        result.draft_tokens = spec.stats.num_draft_tokens
-    return result
-
-
-def run_hf(hf, prompts: list[list[int]], max_tokens: int, **kwargs) -> DecoderResult:
-    def generate(p: list[int], n: int) -> list[int]:
-        ids = torch.tensor([p])
+def hf_generate(hf, prompt: list[int], max_tokens: int, options: dict) -> list[int]:
+    """transformers' greedy generate() of one prompt; returns the new token ids."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
         out = hf.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             do_sample=False,
-            max_new_tokens=n,
+            max_new_tokens=max_tokens,
             pad_token_id=hf.generation_config.eos_token_id,
-            **kwargs,
+            **options,
         )
-        return out[0, len(p) :].tolist()
+    return out[0, len(prompt) :].tolist()
 
-    with torch.inference_mode():
-        generate(prompts[0], 4)  # warm-up
-        start = time.perf_counter()
-        outputs = [generate(p, max_tokens) for p in prompts]
-    elapsed = time.perf_counter() - start
-    return DecoderResult(sum(len(o) for o in outputs) / elapsed, outputs)
+
+@dataclass
+class _Run:
+    seconds: float
+    token_ids: list[int]
+    costs: StepCosts | None = None
+    stats: SpecDecodeStats | None = None
+
+
+def _warm_up(llm: LLM, speculators: dict, hf, prompt: list[int]) -> None:
+    """One short generation per method; then the speculators count from zero."""
+    for spec in speculators.values():
+        llm.engine.speculator = spec
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
+        if spec is not None:
+            spec.stats = SpecDecodeStats()
+    for options in hf[1].values() if hf else ():
+        hf_generate(hf[0], prompt, 4, options)
+
+
+def measure_set(llm, timer, speculators: dict, hf, prompts, max_tokens: int, repeats: int = 1):
+    """Every method on every prompt, interleaved: prompt by prompt, each method in turn, so
+    that a change in the machine's load hits all methods alike; with ``repeats``, the whole
+    round again, keeping each (method, prompt)'s fastest run. ``speculators`` maps our methods
+    to their speculator (None: autoregressive); ``hf`` is (model, {name: options}) or None."""
+    engine, (target, hf_options) = llm.engine, hf or (None, {})
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    _warm_up(llm, speculators, hf, prompts[0])
+    best: dict[tuple[str, int], _Run] = {}
+    slowest: dict[tuple[str, int], float] = {}
+    differs: set[str] = set()  # methods whose tokens changed between repeats
+
+    def keep(name: str, i: int, run: _Run) -> None:
+        old = best.setdefault((name, i), run)
+        if old.token_ids != run.token_ids:
+            differs.add(name)
+        if run.seconds < old.seconds:
+            best[(name, i)] = run
+        slowest[(name, i)] = max(slowest.get((name, i), 0.0), run.seconds)
+
+    for _ in range(repeats):
+        for i, prompt in enumerate(prompts):
+            for name, spec in speculators.items():
+                engine.speculator, timer.costs = spec, StepCosts()
+                if spec is not None:
+                    spec.stats = SpecDecodeStats()  # this run's
+                start = time.perf_counter()
+                ids = llm.generate([prompt], params)[0].token_ids
+                stats = spec.stats if spec is not None else None
+                keep(name, i, _Run(time.perf_counter() - start, ids, timer.costs, stats))
+            for name, options in hf_options.items():
+                start = time.perf_counter()
+                ids = hf_generate(target, prompt, max_tokens, options)
+                keep(name, i, _Run(time.perf_counter() - start, ids))
+    engine.speculator = None
+    results = {}
+    for name in [*speculators, *hf_options]:
+        runs = [best[(name, i)] for i in range(len(prompts))]
+        results[name] = _result(runs)
+        results[name].repeatable = name not in differs
+        # How far the machine's load moved one method's time on one prompt between repeats.
+        results[name].spread = max(slowest[(name, i)] / r.seconds - 1 for i, r in enumerate(runs))
+    return results
+
+
+def _result(runs: list[_Run]) -> DecoderResult:
+    seconds = sum(r.seconds for r in runs)
+    result = DecoderResult(
+        sum(len(r.token_ids) for r in runs) / seconds, [r.token_ids for r in runs]
+    )
+    if runs[0].costs is not None:
+        result.costs = StepCosts()
+        for r in runs:
+            result.costs.add(r.costs)
+    if runs[0].stats is not None:
+        stats = SpecDecodeStats()
+        for r in runs:
+            stats.num_drafts += r.stats.num_drafts
+            stats.num_draft_tokens += r.stats.num_draft_tokens
+            stats.num_accepted_tokens += r.stats.num_accepted_tokens
+        result.acceptance_rate = stats.acceptance_rate
+        result.mean_acceptance_length = stats.mean_acceptance_length
+        result.draft_tokens = stats.num_draft_tokens
+    return result
 
 
 def hf_methods(model_dir: Path, k: int, num_layers: int):
@@ -331,7 +382,7 @@ def hf_methods(model_dir: Path, k: int, num_layers: int):
         f"{HF} generate()": {},
         f"{HF} prompt_lookup_num_tokens={k}": {"prompt_lookup_num_tokens": k},
         f"{HF} assistant_model=bf16 copy": {"assistant_model": copy},
-        f"{HF} assistant_model=bf16 {truncated} layers": {"assistant_model": short},
+        f"{HF} assistant_model=bf16 first {truncated} layers": {"assistant_model": short},
     }
     return load(torch.float32), methods
 
@@ -361,136 +412,27 @@ def run_decoder_bench(config: EngineConfig, options: DecoderBenchOptions) -> dic
     context = max((p for ps in sets.values() for p in ps), key=len)
     forward_s = forward_costs(engine, context, k + 1)  # before any request: see its docstring
     timer = StepTimer(engine)
+    speculators = {"autoregressive": None}
+    for name, decoder in configs.items():
+        # The engine's own construction: the variant is exactly what its config loads.
+        speculators[name] = engine._build_speculator(decoder)
+        timer.watch(speculators[name])
     hf = hf_methods(llm.model_dir, k, num_layers) if options.with_hf else None
-    _print_header(llm, options, configs, len(context), forward_s)
-    losing, notes = [], []
+    print_header(llm, options, configs, len(context), forward_s)
+    losing = []
     for set_name, prompts in sets.items():
-        results = {"autoregressive": run_ours(llm, prompts, options.max_tokens, timer)}
-        for name, decoder in configs.items():
-            # The engine's own construction: the variant is exactly what its config loads.
-            engine.speculator = engine._build_speculator(decoder)
-            timer.watch(engine.speculator)
-            results[name] = run_ours(llm, prompts, options.max_tokens, timer)
-        engine.speculator = None
-        again = run_ours(llm, prompts, options.max_tokens, timer).tokens_per_s
-        first = results["autoregressive"].tokens_per_s
-        notes.append(
-            f"{set_name}: autoregressive measured again after the variants: {again:.1f} tok/s "
-            f"({again / first - 1:+.0%} from the first pass)"
+        results = measure_set(
+            llm, timer, speculators, hf, prompts, options.max_tokens, options.repeats
         )
-        if hf is not None:
-            target, methods = hf
-            for name, kwargs in methods.items():
-                results[name] = run_hf(target, prompts, options.max_tokens, **kwargs)
-        _print_rows(set_name, results)
+        print_rows(set_name, results)
+        base = results["autoregressive"].tokens_per_s
         losing += [
-            f"- {set_name} {name}: {r.tokens_per_s / first:.2f}x. {losing_reason(r, results)}"
+            f"- {set_name} {name}: {r.tokens_per_s / base:.2f}x. {losing_reason(r, results)}"
             for name, r in results.items()
-            if r.costs is not None and r.tokens_per_s < first
+            if r.costs is not None and r.tokens_per_s < base
         ]
         options.results[set_name] = results
-    _print_summary(options.results, notes, losing)
+    print_summary(options.results, losing)
     if options.plot:
-        _plot(options, llm.model_dir.name)
+        print(f"\nplot: {plot_decoder_bench(options, llm.model_dir.name)}")
     return options.results
-
-
-def _print_header(llm, options, configs, context_len: int, forward_s: list[float]) -> None:
-    print(
-        f"model {llm.model_dir} ({llm.engine.model.arch.num_layers} layers, {llm.config.dtype}), "
-        f"torch threads {torch.get_num_threads()}; greedy, batch 1, max_tokens "
-        f"{options.max_tokens}, k={options.k}, prompt sets {', '.join(options.prompt_sets)} "
-        f"({options.prompts_per_set or 'all'} prompts each), prefix cache off\n"
-    )
-    one = forward_s[0]
-    passes = ", ".join(f"{n + 1}: {1e3 * s:.1f}" for n, s in enumerate(forward_s))
-    print(
-        f"target forward pass after a {context_len}-token context, ms by new tokens (median of "
-        f"7): {passes}; {len(forward_s)} tokens cost {forward_s[-1] / one:.2f}x one token\n"
-    )
-    print("variants:")
-    for name, config in configs.items():
-        print(f"- {name}: {describe(config)}")
-    print(
-        "\n| prompts | method | tok/s | speedup vs autoregressive | acceptance rate | "
-        "mean acceptance length | identical to autoregressive | tokens/step | "
-        "ms/step: draft + verify + rest |\n|---|---|---|---|---|---|---|---|---|"
-    )
-
-
-def _print_rows(set_name: str, results: dict[str, DecoderResult]) -> None:
-    reference = results["autoregressive"]
-    for name, r in results.items():
-        rate = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.0%}"
-        length = "-" if r.mean_acceptance_length is None else f"{r.mean_acceptance_length:.2f}"
-        same = sum(a == b for a, b in zip(r.token_ids, reference.token_ids, strict=True))
-        if same == len(reference.token_ids):
-            identical = "yes"
-        else:  # ours must never differ; transformers' float arithmetic may
-            identical = f"{'NO, ' if r.costs else ''}{same}/{len(reference.token_ids)} prompts"
-        steps = tokens = "-"
-        if r.costs is not None and r.costs.steps:
-            c = r.costs
-            tokens = f"{c.tokens / c.steps:.2f}"
-            steps = " + ".join(f"{c.per_step_ms(s):.1f}" for s in (c.draft_s, c.verify_s, c.rest_s))
-        print(
-            f"| {set_name} | {name} | {r.tokens_per_s:.1f} | "
-            f"{r.tokens_per_s / reference.tokens_per_s:.2f}x | {rate} | {length} | {identical} | "
-            f"{tokens} | {steps} |"
-        )
-
-
-def losing_reason(r: DecoderResult, results: dict[str, DecoderResult]) -> str:
-    """Why ``r`` is slower than autoregressive, in units of an autoregressive decode step."""
-    c, a = r.costs, results["autoregressive"].costs
-    unit = a.per_step_ms(a.step_s)  # ms of one autoregressive step = one token
-    draft = c.per_step_ms(c.draft_s) / unit
-    verify = (c.per_step_ms(c.verify_s) - a.per_step_ms(a.verify_s)) / unit
-    rest = (c.per_step_ms(c.rest_s) - a.per_step_ms(a.rest_s)) / unit
-    per_draft = 1e3 * c.draft_s / r.draft_tokens if r.draft_tokens else 0.0
-    largest = max((draft, "drafting"), (verify, "verification"), (rest, "step overhead"))[1]
-    return (
-        f"A decode step emits {c.tokens / c.steps:.2f} tokens (acceptance "
-        f"{r.acceptance_rate or 0:.0%}, {r.draft_tokens / c.steps:.2f} drafts per step) but "
-        f"costs {c.per_step_ms(c.step_s) / unit:.2f} autoregressive steps: drafting "
-        f"+{draft:.2f} ({per_draft:.1f} ms per draft token, {per_draft / unit:.2f} steps), "
-        f"verifying {c.rows / c.steps:.2f} tokens {verify:+.2f}, rest {rest:+.2f}. "
-        f"Largest cost: {largest}."
-    )
-
-
-def _print_summary(results: dict, notes: list[str], losing: list[str]) -> None:
-    print()
-    for set_name, per_set in results.items():
-        base = per_set["autoregressive"].tokens_per_s
-        ours = {n: r for n, r in per_set.items() if r.costs is not None and n != "autoregressive"}
-        if ours:
-            best = max(ours, key=lambda n: ours[n].tokens_per_s)
-            line = f"{set_name}: best decoder {best} {ours[best].tokens_per_s / base:.2f}x"
-            theirs = {n: r for n, r in per_set.items() if r.costs is None}
-            if theirs:
-                top = max(theirs, key=lambda n: theirs[n].tokens_per_s)
-                ratio = ours[best].tokens_per_s / theirs[top].tokens_per_s
-                line += f"; best {HF}: {top} {theirs[top].tokens_per_s / base:.2f}x"
-                line += f" (ours is {ratio:.2f}x its tok/s)"
-            print(line)
-    for note in notes:
-        print(note)
-    if losing:
-        print("\nslower than autoregressive (costs in autoregressive decode steps):")
-        print("\n".join(losing))
-
-
-def _plot(options: DecoderBenchOptions, model_name: str) -> None:
-    from engine.bench_plot import plot_speedups
-
-    speedups = {
-        s: {n: r.tokens_per_s / per_set["autoregressive"].tokens_per_s for n, r in per_set.items()}
-        for s, per_set in options.results.items()
-    }
-    baseline = {n for per_set in options.results.values() for n in per_set if n.startswith(HF)}
-    title = (
-        f"{model_name}: greedy, batch 1, {options.max_tokens} tokens, k={options.k} "
-        "(bars: speedup over our autoregressive decoding in the same run)"
-    )
-    print(f"\nplot: {plot_speedups(speedups, options.plot, title, baseline)}")

@@ -51,6 +51,7 @@ def _run_decoder_bench(args: argparse.Namespace, variants: str) -> int:
         k=args.num_speculative_tokens or 4,
         max_tokens=args.max_tokens,
         prompts_per_set=args.prompts_per_set,
+        repeats=args.repeats,
         with_hf=not args.no_hf,
         layerskip_config=args.layerskip_config,
     )
@@ -62,6 +63,13 @@ def _run_decoder_bench(args: argparse.Namespace, variants: str) -> int:
 
 def _add_decoder_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-per-set", type=int, help="first N prompts of each set (default: all)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds over every prompt and method; each one's fastest run counts (a shared "
+        "machine's bursts of load hit single runs)",
+    )
     p.add_argument(
         "--layerskip-config",
         help="YAML with the layerskip variant's skip set (as `specserve tune layerskip` "
@@ -82,7 +90,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "--decoder all (or variant names), speculative decoders vs autoregressive",
         description="Without --decoder: decode tokens/s at batch 1 and N and TTFT against "
         "transformers generate(). With --decoder all, or comma-separated variant names "
-        "(ngram, draft-int8, draft-bf16, draft-int8-8layers, layerskip, hierarchical, "
+        "(ngram, draft-int8, draft-int4, draft-bf16, draft-int8-8layers, layerskip, hierarchical, "
         "draft-int8-adaptive, draft-int8-entropy, draft-int8-gate0.3): each speculative "
         "decoder against autoregressive decoding and transformers' assisted generation on the "
         "chat and input-grounded prompt sets, a table, and a PNG plot.",
