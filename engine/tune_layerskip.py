@@ -2,9 +2,12 @@
 
 The objective is what a user gets: greedy, batch-1 tokens/s of the ``layerskip`` decoder on
 calibration prompts (the chat and grounded sets by default, rendered with the chat
-template), timed like ``specserve bench decoders``. Autoregressive decoding is measured on
-the same prompts in the same process first, and every trial's tokens must equal it (they
-are the target's greedy tokens whatever the draft; a difference is a bug and stops the run).
+template), over autoregressive decoding's tokens/s measured in the same pass. Each trial is
+timed as ``specserve bench offline`` times its variants (``measure_set``): autoregressive
+decoding and the draft take turns prompt by prompt on one engine, so that a change of the
+machine's load hits both alike and trials measured minutes apart stay comparable. Every
+run's tokens must equal the first autoregressive run's (they are the target's greedy tokens
+whatever the draft; a difference is a bug and stops the search).
 
 **The search space.** A draft skips one contiguous span of attention sublayers and one of
 MLP sublayers, each a (first layer, count) pair, and drafts k tokens per step: four or five
@@ -22,26 +25,32 @@ multivariate TPE (optuna's default) can model how the parameters interact. A tri
 would skip nothing is an invalid draft (the decoder refuses it): it is pruned, not measured.
 
 **Honesty.** The best study value is the maximum of noisy measurements, so it is biased
-upward. The best few distinct drafts are measured again after the study, together with
-autoregressive decoding, and only those confirmation numbers decide whether a draft beats
-autoregressive (by more than ``min_speedup``). Trials are deterministic given the seed
-except for timing noise: TPE's proposals after its random start-up trials follow the
-measured values.
+upward. The best few distinct drafts are measured again after the study, in one pass
+interleaved with autoregressive decoding, and only these confirmation speedups decide
+whether a draft beats autoregressive (by more than ``min_speedup``). Trials are
+deterministic given the seed except for timing noise: TPE's proposals after its random
+start-up trials follow the measured values.
 """
 
 from __future__ import annotations
 
-import gc
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from engine.bench_decoders import PROMPT_SETS, DecoderResult, load_prompt_set, run_ours
-from engine.config import EngineConfig
-from engine.engine import Engine
+from engine.bench_decoders import (
+    PROMPT_SETS,
+    DecoderResult,
+    StepTimer,
+    load_prompt_set,
+    losing_reason,
+    measure_set,
+)
+from engine.config import DecoderConfig, EngineConfig
 from engine.llm import LLM
 
 DEFAULT_PROMPT_SETS = ("chat", "grounded")
@@ -84,37 +93,40 @@ class SkipSet:
 
 
 @dataclass
+class Comparison:
+    """A draft and autoregressive decoding, measured in one interleaved pass."""
+
+    draft: DecoderResult
+    autoregressive: DecoderResult
+
+    @property
+    def speedup(self) -> float:
+        return self.draft.tokens_per_s / self.autoregressive.tokens_per_s
+
+
+@dataclass
 class TrialResult:
     number: int
     skip_set: SkipSet
-    result: DecoderResult
-    confirmed: DecoderResult | None = None  # the re-measurement after the study
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.result.tokens_per_s
+    study: Comparison
+    confirmation: Comparison | None = None  # the re-measurement after the study
 
 
 @dataclass
 class TuneResult:
-    baseline: DecoderResult  # autoregressive, before the study
-    trials: list[TrialResult]  # measured trials, best study value first
+    trials: list[TrialResult]  # measured trials, best study speedup first
     num_pruned: int
-    confirmed_baseline: DecoderResult | None = None  # autoregressive, after the study
     min_speedup: float = 1.0
-    confirmed: list[TrialResult] = field(default_factory=list)  # best confirmation first
+    confirmed: list[TrialResult] = field(default_factory=list)  # best confirmed speedup first
 
     @property
     def best(self) -> TrialResult | None:
-        """The draft with the best confirmation tokens/s (None: no draft was measured)."""
+        """The draft with the best confirmed speedup (None: none was confirmed)."""
         return self.confirmed[0] if self.confirmed else None
 
     @property
     def speedup(self) -> float | None:
-        """The best draft's confirmation tokens/s over autoregressive's, measured together."""
-        if self.best is None or self.confirmed_baseline is None:
-            return None
-        return self.best.confirmed.tokens_per_s / self.confirmed_baseline.tokens_per_s
+        return None if self.best is None else self.best.confirmation.speedup
 
     @property
     def beats_autoregressive(self) -> bool:
@@ -125,8 +137,8 @@ def suggest_skip_set(trial, num_layers: int, k_range: tuple[int, int], early_exi
     """Draw a draft from an optuna trial (see the module docstring for the parametrisation)."""
 
     def span(kind: str) -> tuple[int, ...]:
-        # count + 1 on a log scale: small spans, the ones likely to draft well, are drawn
-        # as often as large ones are.
+        # count + 1 on a log scale: spans of 1-2 sublayers, the ones likely to agree with
+        # the target, are drawn about as often as spans of 8-16.
         count = trial.suggest_int(f"{kind}_count_plus_1", 1, num_layers + 1, log=True) - 1
         first = trial.suggest_int(f"{kind}_first", 0, num_layers - 1)
         return tuple(range(first, min(num_layers, first + count)))
@@ -144,62 +156,69 @@ def suggest_skip_set(trial, num_layers: int, k_range: tuple[int, int], early_exi
     return SkipSet(attention, mlp, exit_layer, k)
 
 
-class LayerSkipTuner:
-    """Measures drafts on fixed calibration prompts, reusing one loaded model.
+def tuning_llm(config: EngineConfig) -> LLM:
+    """The engine a search measures on: ``config`` decoding autoregressively, with the prefix
+    cache off so that every pass prefills its prompts (as in ``specserve bench offline``)."""
+    return LLM(
+        config=config.with_overrides(
+            decoder={"method": "autoregressive", "extra_methods": []},
+            kv_cache={"enable_prefix_caching": False},
+        )
+    )
 
-    Each measurement builds a fresh ``Engine`` (its own KV cache and decoders) around the
-    ``LLM``'s model instead of loading the checkpoint again.
+
+class LayerSkipTuner:
+    """Measures drafts against autoregressive decoding on fixed calibration prompts, with
+    one engine (from ``tuning_llm``).
+
+    Only the engine's speculator changes between runs, built the way the engine builds its
+    own (as ``specserve bench offline`` does): the model, the KV cache and the scheduler are
+    the same for every draft and for autoregressive decoding.
     """
 
     def __init__(self, llm: LLM, prompts: list[list[int]], max_tokens: int):
         if not prompts:
             raise ValueError("no calibration prompts")
+        if llm.engine.speculator is not None:
+            raise ValueError("the tuner's engine must decode autoregressively (tuning_llm)")
         self.llm = llm
-        self.model = llm.engine.model
-        self.eos_token_ids = llm.engine.eos_token_ids
-        self.base_config = llm.config.with_overrides(
-            decoder={"method": "autoregressive", "extra_methods": []}
-        )
+        self.engine = llm.engine
+        self.timer = StepTimer(self.engine)
+        self.decoder = llm.config.decoder
         self.prompts = prompts
         self.max_tokens = max_tokens
-        self.reference: list[list[int]] | None = None  # autoregressive's tokens
-        self._measured: dict[SkipSet, DecoderResult] = {}
+        self.reference: list[list[int]] | None = None  # the first autoregressive tokens
 
     @property
     def num_layers(self) -> int:
-        return self.model.arch.num_layers
+        return self.engine.model.arch.num_layers
 
-    def measure(self, skip_set: SkipSet | None) -> DecoderResult:
-        """Time ``skip_set``'s draft (None: autoregressive) on the calibration prompts."""
-        config = self.base_config
-        if skip_set is not None:
-            config = config.with_overrides(decoder=skip_set.decoder_overrides())
-        self.llm.engine = None  # free the previous engine's KV cache before allocating one
-        gc.collect()
-        self.llm.engine = Engine(config, self.model, self.eos_token_ids)
-        self.llm.config = config
-        result = run_ours(self.llm, self.prompts, self.max_tokens)
-        if skip_set is None and self.reference is None:
-            self.reference = result.token_ids
-        elif skip_set is not None:
-            self._check_identical(skip_set, result.token_ids)
-        return result
+    def compare(self, skip_sets: list[SkipSet]) -> list[Comparison]:
+        """Each draft against autoregressive decoding, all in one interleaved pass."""
+        speculators: dict = {"autoregressive": None}
+        for i, skip_set in enumerate(skip_sets):
+            fields = {**self.decoder.model_dump(), **skip_set.decoder_overrides()}
+            spec = self.engine._build_speculator(DecoderConfig.model_validate(fields))
+            self.timer.watch(spec)
+            speculators[i] = spec
+        results = measure_set(
+            self.llm, self.timer, speculators, None, self.prompts, self.max_tokens
+        )
+        ar = results["autoregressive"]
+        self.reference = self.reference or ar.token_ids
+        self._check_identical("autoregressive", ar.token_ids)
+        for i, skip_set in enumerate(skip_sets):
+            self._check_identical(f"layerskip ({skip_set.describe()})", results[i].token_ids)
+        return [Comparison(results[i], ar) for i in range(len(skip_sets))]
 
-    def measure_once(self, skip_set: SkipSet) -> DecoderResult:
-        """``measure``, but a draft TPE proposes again is not timed again."""
-        if skip_set not in self._measured:
-            self._measured[skip_set] = self.measure(skip_set)
-        return self._measured[skip_set]
-
-    def _check_identical(self, skip_set: SkipSet, token_ids: list[list[int]]) -> None:
-        assert self.reference is not None, "measure autoregressive decoding first"
+    def _check_identical(self, name: str, token_ids: list[list[int]]) -> None:
         for i, (got, want) in enumerate(zip(token_ids, self.reference, strict=True)):
             if got != want:
                 n = min(len(got), len(want))
                 at = next((j for j in range(n) if got[j] != want[j]), n)
                 raise GreedyMismatchError(
-                    f"layerskip ({skip_set.describe()}) differs from autoregressive greedy "
-                    f"decoding on calibration prompt {i} at generated token {at}: "
+                    f"{name} differs from the first autoregressive greedy decoding on "
+                    f"calibration prompt {i} at generated token {at}: "
                     f"{got[at : at + 4]} vs {want[at : at + 4]}"
                 )
 
@@ -214,57 +233,66 @@ def tune_layerskip(
     min_speedup: float = 1.0,
     log: Callable[[str], None] = print,
 ) -> TuneResult:
-    """Measure autoregressive decoding, run the study, then re-measure the best drafts.
+    """Run the study (objective: speedup over autoregressive) until ``num_trials`` drafts
+    are measured, then confirm the best drafts.
 
-    ``min_speedup`` is the confirmation speedup a draft must exceed to count as beating
+    ``min_speedup`` is the confirmed speedup a draft must exceed to count as beating
     autoregressive decoding. ``log`` receives one progress line per measurement.
     """
     import optuna
 
-    baseline = tuner.measure(None)
-    log(f"autoregressive: {baseline.tokens_per_s:.1f} tok/s")
     trials: dict[int, TrialResult] = {}
+    measured: dict[SkipSet, Comparison] = {}  # a draft TPE proposes again is not re-timed
 
     def objective(trial: optuna.Trial) -> float:
         skip_set = suggest_skip_set(trial, tuner.num_layers, k_range, early_exit)
         if skip_set.is_empty:
             log(f"trial {trial.number}: skips nothing (the target itself), pruned")
             raise optuna.TrialPruned()
-        result = tuner.measure_once(skip_set)
-        trials[trial.number] = TrialResult(trial.number, skip_set, result)
+        if skip_set not in measured:
+            (measured[skip_set],) = tuner.compare([skip_set])
+        c = measured[skip_set]
+        trials[trial.number] = TrialResult(trial.number, skip_set, c)
         log(
-            f"trial {trial.number}: {skip_set.describe()}: {result.tokens_per_s:.1f} tok/s "
-            f"({result.tokens_per_s / baseline.tokens_per_s:.2f}x), "
-            f"acceptance {result.acceptance_rate:.0%}"
+            f"trial {trial.number}: {skip_set.describe()}: {c.draft.tokens_per_s:.1f} tok/s, "
+            f"autoregressive {c.autoregressive.tokens_per_s:.1f} ({c.speedup:.2f}x), "
+            f"acceptance {c.draft.acceptance_rate:.0%}"
         )
-        return result.tokens_per_s
+        return c.speedup
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     # Fewer random start-up trials than optuna's 10 when the budget is small, so that TPE
     # proposes at least two thirds of them.
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=max(3, num_trials // 3))
     study = optuna.create_study(direction="maximize", sampler=sampler)
-    study.optimize(objective, n_trials=num_trials)
-    ranked = sorted(trials.values(), key=lambda t: t.tokens_per_s, reverse=True)
-    result = TuneResult(baseline, ranked, num_trials - len(trials), min_speedup=min_speedup)
+
+    def enough_measured(study: optuna.Study, _trial) -> None:
+        if len(trials) >= num_trials:
+            study.stop()
+
+    # Pruned trials cost no time: ``num_trials`` counts measured ones (within a bound).
+    study.optimize(objective, n_trials=4 * num_trials, callbacks=[enough_measured])
+    ranked = sorted(trials.values(), key=lambda t: t.study.speedup, reverse=True)
+    result = TuneResult(ranked, len(study.trials) - len(trials), min_speedup)
     _confirm(tuner, result, confirm_top, log)
     return result
 
 
 def _confirm(tuner: LayerSkipTuner, result: TuneResult, top: int, log) -> None:
-    """Re-measure autoregressive decoding and the ``top`` best distinct drafts."""
+    """Re-measure the ``top`` best distinct drafts with autoregressive decoding, in one pass."""
     candidates: dict[SkipSet, TrialResult] = {}
     for t in result.trials:  # best first; a draft proposed twice is confirmed once
         candidates.setdefault(t.skip_set, t)
-    candidates = list(candidates.values())[:top]
-    if not candidates:
+    chosen = list(candidates.values())[:top]
+    if not chosen:
         return
-    result.confirmed_baseline = tuner.measure(None)
-    log(f"confirmation: autoregressive {result.confirmed_baseline.tokens_per_s:.1f} tok/s")
-    for t in candidates:
-        t.confirmed = tuner.measure(t.skip_set)
-        log(f"confirmation: trial {t.number}: {t.confirmed.tokens_per_s:.1f} tok/s")
-    result.confirmed = sorted(candidates, key=lambda t: t.confirmed.tokens_per_s, reverse=True)
+    for t, c in zip(chosen, tuner.compare([t.skip_set for t in chosen]), strict=True):
+        t.confirmation = c
+        log(
+            f"confirmation: trial {t.number}: {c.draft.tokens_per_s:.1f} tok/s, "
+            f"autoregressive {c.autoregressive.tokens_per_s:.1f} ({c.speedup:.2f}x)"
+        )
+    result.confirmed = sorted(chosen, key=lambda t: t.confirmation.speedup, reverse=True)
 
 
 @dataclass
@@ -284,9 +312,8 @@ class TuneOptions:
 
 def run_tune_layerskip(config: EngineConfig, options: TuneOptions) -> TuneResult:
     """``specserve tune layerskip``: search, print the results, write the config if it won."""
-    llm = LLM(
-        config=config.with_overrides(decoder={"method": "autoregressive", "extra_methods": []})
-    )
+    check_prompt_sets(list(options.prompt_sets))  # before the model loads
+    llm = tuning_llm(config)
     prompts = calibration_prompts(llm, list(options.prompt_sets), options.num_prompts)
     context = _context(llm, options, len(prompts))
     print(context + "\n")
@@ -302,6 +329,9 @@ def run_tune_layerskip(config: EngineConfig, options: TuneOptions) -> TuneResult
     )
     print("\n" + format_table(result) + "\n")
     print(verdict(result))
+    why = _why_it_loses(result)
+    if why:
+        print(f"why: {why}")
     if result.best is None or options.output is None:
         return result
     if result.beats_autoregressive or options.write_anyway:
@@ -313,26 +343,44 @@ def run_tune_layerskip(config: EngineConfig, options: TuneOptions) -> TuneResult
     return result
 
 
+def _why_it_loses(result: TuneResult) -> str | None:
+    """The best losing draft's measured step costs, in autoregressive decode steps."""
+    if result.best is None or result.speedup >= 1:
+        return None
+    c = result.best.confirmation
+    if not (c.draft.costs and c.draft.costs.steps and c.autoregressive.costs.steps):
+        return None
+    return losing_reason(c.draft, {"autoregressive": c.autoregressive})
+
+
 def _context(llm: LLM, options: TuneOptions, num_prompts: int) -> str:
     import torch
 
-    k = options.k_range
+    low, high = options.k_range
     return (
-        f"model {llm.model_dir}; {llm.config.dtype}, {torch.get_num_threads()} threads; "
-        f"calibration: {num_prompts} prompts ({','.join(options.prompt_sets)}), chat template, "
-        f"greedy, batch 1, max_tokens {options.max_tokens}; search: {options.num_trials} "
-        f"trials, TPE seed {options.seed}, k {k[0] if k[0] == k[1] else f'{k[0]}-{k[1]}'}, "
-        f"early exit {'on' if options.early_exit else 'off'}, best {options.confirm_top} "
-        "re-measured with autoregressive"
+        f"model {llm.model_dir} ({llm.engine.model.arch.num_layers} layers, "
+        f"{llm.config.dtype}), torch threads {torch.get_num_threads()} of {os.cpu_count()} "
+        f"cores (load average {os.getloadavg()[0]:.1f} at the start); calibration: "
+        f"{num_prompts} prompts ({','.join(options.prompt_sets)}), chat template, greedy, "
+        f"batch 1, max_tokens {options.max_tokens}, prefix cache off; search: "
+        f"{options.num_trials} measured trials, TPE seed {options.seed}, "
+        f"k {low if low == high else f'{low}-{high}'}, "
+        f"early exit {'on' if options.early_exit else 'off'}; every measurement interleaved "
+        f"with autoregressive decoding prompt by prompt; the best {options.confirm_top} "
+        "re-measured after the search"
     )
 
 
-def calibration_prompts(llm: LLM, sets: list[str], num_prompts: int | None) -> list[list[int]]:
-    """The first ``num_prompts`` prompts of each set, as chat-template token ids."""
+def check_prompt_sets(sets: list[str]) -> None:
     known = sorted(p.stem for p in PROMPT_SETS.glob("*.json"))
     unknown = [name for name in sets if name not in known]
     if unknown or not sets:
         raise ValueError(f"unknown prompt sets {unknown}; known: {', '.join(known)}")
+
+
+def calibration_prompts(llm: LLM, sets: list[str], num_prompts: int | None) -> list[list[int]]:
+    """The first ``num_prompts`` prompts of each set, as chat-template token ids."""
+    check_prompt_sets(sets)
     prompts = []
     for name in sets:
         texts = load_prompt_set(name)[:num_prompts]
@@ -354,31 +402,28 @@ def write_config(path: str | Path, config: EngineConfig, header: str) -> None:
 
 
 def format_table(result: TuneResult, rows: int = 5) -> str:
-    """Markdown table of the best trials: study and confirmation tok/s, ratio, acceptance."""
-    base, confirm_base = result.baseline.tokens_per_s, None
-    if result.confirmed_baseline is not None:
-        confirm_base = result.confirmed_baseline.tokens_per_s
+    """Markdown table of the best trials: tok/s against autoregressive's in the same pass, in
+    the study and in the confirmation, and acceptance."""
     lines = [
-        "| trial | skip set | tok/s (study) | vs AR | tok/s (confirmed) | vs AR | "
-        "acceptance rate | mean acceptance length |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| - | autoregressive | {base:.1f} | 1.00x | "
-        + ("-" if confirm_base is None else f"{confirm_base:.1f}")
-        + " | "
-        + ("-" if confirm_base is None else "1.00x")
-        + " | - | - |",
+        "| trial | skip set | tok/s | AR tok/s | vs AR | confirmation tok/s | AR tok/s | "
+        "vs AR | acceptance rate | mean acceptance length |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    shown = result.confirmed + [t for t in result.trials if t.confirmed is None]
+    shown = result.confirmed + [t for t in result.trials if t.confirmation is None]
     for t in shown[:rows]:
-        r, c = t.result, t.confirmed
-        confirmed = "- | -" if c is None else f"{c.tokens_per_s:.1f} | "
-        if c is not None:
-            confirmed += f"{c.tokens_per_s / confirm_base:.2f}x"
-        lines.append(
-            f"| {t.number} | {t.skip_set.describe()} | {r.tokens_per_s:.1f} | "
-            f"{r.tokens_per_s / base:.2f}x | {confirmed} | {r.acceptance_rate:.0%} | "
-            f"{r.mean_acceptance_length:.2f} |"
-        )
+        cells = [str(t.number), t.skip_set.describe()]
+        for c in (t.study, t.confirmation):
+            if c is None:
+                cells += ["-", "-", "-"]
+            else:
+                cells += [
+                    f"{c.draft.tokens_per_s:.1f}",
+                    f"{c.autoregressive.tokens_per_s:.1f}",
+                    f"{c.speedup:.2f}x",
+                ]
+        d = t.study.draft
+        cells += [f"{d.acceptance_rate:.0%}", f"{d.mean_acceptance_length:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -386,14 +431,19 @@ def verdict(result: TuneResult) -> str:
     """One line: which draft won, or that none beat autoregressive."""
     best = result.best
     if best is None:
+        if result.trials:
+            return "no skip set was re-measured (confirm_top 0): nothing decided"
         return "no skip set was measured (every trial was pruned): nothing to compare"
-    ar, tps = result.confirmed_baseline.tokens_per_s, best.confirmed.tokens_per_s
-    numbers = f"{tps:.1f} tok/s = {result.speedup:.2f}x of autoregressive's {ar:.1f} tok/s"
+    c = best.confirmation
+    ar, tps = c.autoregressive.tokens_per_s, c.draft.tokens_per_s
     if result.beats_autoregressive:
-        return f"best skip set: {best.skip_set.describe()} ({numbers})"
+        return (
+            f"best skip set: {best.skip_set.describe()} ({tps:.1f} tok/s = "
+            f"{c.speedup:.2f}x of autoregressive's {ar:.1f} tok/s)"
+        )
     need = "" if result.min_speedup == 1.0 else f" by more than {result.min_speedup:.2f}x"
     return (
-        f"no skip set beat autoregressive{need} (best {tps:.1f} tok/s = {result.speedup:.2f}x: "
+        f"no skip set beat autoregressive{need} (best {tps:.1f} tok/s = {c.speedup:.2f}x: "
         f"{best.skip_set.describe()}, autoregressive {ar:.1f} tok/s)"
     )
 

@@ -21,8 +21,8 @@ def _cmd_tune_layerskip(args: argparse.Namespace) -> int:
 
     if args.decoder not in (None, "layerskip"):
         raise ValueError("tune layerskip always tunes the layerskip decoder: drop --decoder")
-    if args.trials < 1 or args.max_tokens < 1 or (args.num_prompts or 1) < 1:
-        raise ValueError("--trials, --max-tokens and --num-prompts must be at least 1")
+    if min(args.trials, args.max_tokens, args.num_prompts, args.confirm_top) < 1:
+        raise ValueError("--trials, --max-tokens, --num-prompts and --confirm-top must be >= 1")
     options = TuneOptions(
         prompt_sets=tuple(s for s in args.prompts.split(",") if s),
         num_prompts=args.num_prompts,
@@ -47,16 +47,21 @@ def add_tune_parser(subparsers: argparse._SubParsersAction) -> None:
         "layerskip",
         help="search layerskip's skip set (Bayesian optimisation) and write it to a config",
         description=(
-            "Measure autoregressive tokens/s on calibration prompts, then search the layerskip "
-            "draft (a span of skipped attention sublayers, one of MLP sublayers, k) with "
-            "optuna's TPE for measured tokens/s, greedy, batch 1. The best drafts are measured "
-            "again with autoregressive decoding; the config (--config/--model with "
+            "Search the layerskip draft (a span of skipped attention sublayers, one of MLP "
+            "sublayers, k) with optuna's TPE for its measured tokens/s over autoregressive "
+            "decoding's, the two interleaved prompt by prompt on calibration prompts (greedy, "
+            "batch 1). The best drafts are measured again; the config (--config/--model with "
             "decoder.method layerskip and the best draft) is written only if one beats "
-            "autoregressive, unless --write-anyway."
+            "autoregressive, unless --write-anyway. Either outcome exits 0."
         ),
     )
     add_model_arguments(layerskip)
-    layerskip.add_argument("--trials", type=int, default=20, help="optuna trials (default 20)")
+    layerskip.add_argument(
+        "--trials",
+        type=int,
+        default=20,
+        help="drafts to measure (default 20; empty ones are pruned, not counted)",
+    )
     layerskip.add_argument("--seed", type=int, default=0, help="TPE sampler seed")
     layerskip.add_argument(
         "--prompts", default="chat,grounded", help="prompt sets from configs/prompts"
