@@ -415,7 +415,7 @@ def run_decoder_bench(config: EngineConfig, options: DecoderBenchOptions) -> dic
     speculators = {"autoregressive": None}
     for name, decoder in configs.items():
         # The engine's own construction: the variant is exactly what its config loads.
-        speculators[name] = engine._build_speculator(decoder)
+        speculators[name] = engine.build_speculator(decoder)
         timer.watch(speculators[name])
     hf = hf_methods(llm.model_dir, k, num_layers) if options.with_hf else None
     print_header(llm, options, configs, len(context), forward_s)

@@ -80,12 +80,15 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, config.device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
-        self.speculator = self._build_speculator(config.decoder)
+        self.speculator = self.build_speculator(config.decoder)
         self.requests: dict[str, Request] = {}
         # Requests with a continuation aborted since the last step: that step reports them.
         self._aborted_since_step: set[str] = set()
 
-    def _build_speculator(self, config: DecoderConfig) -> Speculator | None:
+    def build_speculator(self, config: DecoderConfig) -> Speculator | None:
+        """A speculator for the decoders of ``config`` over this engine's model and KV cache
+        (None when none drafts). The engine builds its own from its config; benchmarks and the
+        layer-skip tuner build others and swap ``engine.speculator`` while no request runs."""
         target = TargetContext(self.model, self.kv_cache, self.config.device, self.eos_token_ids)
         drafting = {
             name: build_decoder(name, config, target)

@@ -198,7 +198,7 @@ class LayerSkipTuner:
         speculators: dict = {"autoregressive": None}
         for i, skip_set in enumerate(skip_sets):
             fields = {**self.decoder.model_dump(), **skip_set.decoder_overrides()}
-            spec = self.engine._build_speculator(DecoderConfig.model_validate(fields))
+            spec = self.engine.build_speculator(DecoderConfig.model_validate(fields))
             self.timer.watch(spec)
             speculators[i] = spec
         results = measure_set(
