@@ -39,22 +39,25 @@ def load_draft_model(config: DecoderConfig, target: TargetContext):
     return model, False
 
 
+def draft_kv_cache(model, shares_target_cache: bool, target: TargetContext) -> KVCache:
+    """The target's cache for a self draft; for a separate model, its own tensors over the
+    same blocks, so the target's allocation, rollback and freeing cover it too."""
+    if shares_target_cache:
+        return target.kv_cache
+    arch, cache = model.arch, target.kv_cache
+    return KVCache(
+        len(model.layers),
+        cache.num_blocks,
+        cache.block_size,
+        arch.num_kv_heads,
+        arch.head_dim,
+        model.dtype,
+        target.device,
+    )
+
+
 def build_draft_decoder(config: DecoderConfig, target: TargetContext) -> ModelDraftDecoder:
     model, shares = load_draft_model(config, target)
-    if shares:
-        kv_cache = target.kv_cache
-    else:
-        arch, cache = model.arch, target.kv_cache
-        # Same blocks, own tensors: the target's allocation, rollback and freeing cover it.
-        kv_cache = KVCache(
-            len(model.layers),
-            cache.num_blocks,
-            cache.block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            model.dtype,
-            target.device,
-        )
-    runner = ModelRunner(model, kv_cache, target.device)
+    runner = ModelRunner(model, draft_kv_cache(model, shares, target), target.device)
     drafter = ModelDrafter(runner, target.eos_token_ids, build_window(config.window), shares)
     return ModelDraftDecoder("draft", drafter)

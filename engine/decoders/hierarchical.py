@@ -22,11 +22,10 @@ import torch
 
 from engine.config import DecoderConfig
 from engine.decoders.base import Decoder, Proposal, TargetContext
-from engine.decoders.draft import load_draft_model
+from engine.decoders.draft import draft_kv_cache, load_draft_model
 from engine.decoders.drafting import DRAFT_SEED_OFFSET, ModelDrafter, draft_statistics
 from engine.decoders.ngram import find_continuation
 from engine.decoders.windows import FixedWindow, build_window
-from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.llama import LlamaModel
 from engine.rejection_sampler import DraftRun, RejectionSampler, position_row
@@ -56,18 +55,7 @@ class HierarchicalDecoder(Decoder):
 
     def __init__(self, config: DecoderConfig, target: TargetContext):
         model, shares = load_draft_model(config, target)
-        kv_cache = target.kv_cache
-        if not shares:
-            arch, cache = model.arch, target.kv_cache
-            kv_cache = KVCache(
-                len(model.layers),
-                cache.num_blocks,
-                cache.block_size,
-                arch.num_kv_heads,
-                arch.head_dim,
-                model.dtype,
-                target.device,
-            )
+        kv_cache = draft_kv_cache(model, shares, target)
         self.window = build_window(config.window)
         self.level2 = ModelDrafter(
             ModelRunner(model, kv_cache, target.device), target.eos_token_ids, self.window, shares
