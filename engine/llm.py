@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.decoders import SpeculativeOptions
 from engine.engine import create_engine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
@@ -53,18 +54,23 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        speculative: SpeculativeOptions | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text, or a list of token ids); outputs in prompt order."""
+        """Generate for each prompt (text, or a list of token ids); outputs in prompt order.
+
+        ``speculative`` picks one of the loaded decoders (``engine.loaded_decoders``) for these
+        prompts, as the server's ``"speculative"`` field does; None uses the configured one."""
         if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
         token_lists = [self._encode(p) for p in prompts]
         params = self._params_per_prompt(sampling_params, len(token_lists))
         for tokens, p in zip(token_lists, params, strict=True):
             self.engine.validate_prompt(tokens, p)  # all checked before any is queued
+        self._check_decoder(speculative)
         request_ids = []
         for tokens, p in zip(token_lists, params, strict=True):
             request_ids.append(f"offline-{next(self._ids)}")
-            self.engine.add_request(request_ids[-1], tokens, p)
+            self.engine.add_request(request_ids[-1], tokens, p, speculative)
         finished: dict[str, RequestOutput] = {}
         try:
             while len(finished) < len(request_ids):
@@ -80,17 +86,24 @@ class LLM:
         self,
         conversations: Sequence[Sequence[dict[str, str]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        speculative: SpeculativeOptions | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # a single conversation
-        return self.generate([self.render_chat(c) for c in conversations], sampling_params)
+        prompts = [self.render_chat(c) for c in conversations]
+        return self.generate(prompts, sampling_params, speculative)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams,
+        speculative: SpeculativeOptions | None = None,
+    ) -> Iterator[str]:
         """Yield the text of one prompt's first continuation as it is generated."""
         tokens = self._encode(prompt)
         request_id = f"offline-{next(self._ids)}"
-        self.engine.add_request(request_id, tokens, sampling_params)
+        self.engine.add_request(request_id, tokens, sampling_params, speculative)
         shown = ""
         try:
             while self.engine.has_unfinished_requests():
@@ -117,6 +130,14 @@ class LLM:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
     # ---- helpers -----------------------------------------------------------------------
+    def _check_decoder(self, speculative: SpeculativeOptions | None) -> None:
+        loaded = self.engine.loaded_decoders
+        if speculative is not None and speculative.method not in loaded:
+            raise ValueError(
+                f"speculative method {speculative.method!r} is not loaded; "
+                f"loaded: {', '.join(loaded)}"
+            )
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:

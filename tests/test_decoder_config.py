@@ -53,3 +53,20 @@ def test_layer_ids_out_of_range_are_refused(tiny_model_dir):
     decoder = {"method": "layerskip", "layerskip": {"exit_layer": 2}}
     with pytest.raises(ValueError, match="exit_layer must be below 2"):
         LLM(config=EngineConfig(model=str(tiny_model_dir), decoder=decoder))
+
+
+def test_offline_api_picks_a_loaded_decoder_per_call(tiny_model_dir):
+    from engine import LLM, SamplingParams
+    from engine.decoders import SpeculativeOptions
+
+    decoder = {"method": "autoregressive", "extra_methods": ["draft"]}
+    llm = LLM(config=EngineConfig(model=str(tiny_model_dir), decoder=decoder))
+    prompt, greedy = [5, 6, 7, 8] * 3, SamplingParams(temperature=0, max_tokens=12)
+    plain = llm.generate(prompt, greedy)[0].token_ids
+    stats = llm.engine.speculator.stats_by_decoder["draft"]
+    assert stats.num_drafts == 0  # the default decoder does not draft
+    drafted = llm.generate(prompt, greedy, SpeculativeOptions("draft"))[0].token_ids
+    assert drafted == plain and stats.num_drafts > 0
+    with pytest.raises(ValueError, match="'ngram' is not loaded; loaded: autoregressive, draft"):
+        llm.generate(prompt, greedy, SpeculativeOptions("ngram"))
+    assert not llm.engine.has_unfinished_requests()
