@@ -104,6 +104,23 @@ class DecoderConfig(_Strict):
     gate: GateConfig = Field(default_factory=GateConfig)
 
     @model_validator(mode="after")
+    def _drafts_are_cheaper_than_the_target(self) -> DecoderConfig:
+        draft = self.draft
+        uses_draft = {"draft", "hierarchical"} & set(self.methods)
+        if uses_draft and draft.model == "self" and draft.quantization == "none":
+            if draft.num_layers is None:
+                raise ValueError(
+                    "draft.model 'self' with quantization 'none' and no num_layers is the "
+                    "target itself: pick a quantization (int8, int4, bfloat16) or num_layers"
+                )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                f"({self.prompt_lookup_max})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _layerskip_has_a_draft(self) -> DecoderConfig:
         skip = self.layerskip
         if "layerskip" in self.methods and not (

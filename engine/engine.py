@@ -89,7 +89,9 @@ class Engine:
         """A speculator for the decoders of ``config`` over this engine's model and KV cache
         (None when none drafts). The engine builds its own from its config; benchmarks and the
         layer-skip tuner build others and swap ``engine.speculator`` while no request runs."""
-        target = TargetContext(self.model, self.kv_cache, self.config.device, self.eos_token_ids)
+        target = TargetContext(
+            self.model, self.kv_cache, self.config.device, self.eos_token_ids, self.max_model_len
+        )
         drafting = {
             name: build_decoder(name, config, target)
             for name in config.methods

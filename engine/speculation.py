@@ -90,9 +90,12 @@ class Speculator:
 
     def plan(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Draft slots each decoding sequence asks for (the scheduler grants what it can)."""
-        decoding = [s for s in running if s.num_uncomputed_tokens == 1 and self.gate.allows(s)]
+        decoding = [s for s in running if s.num_uncomputed_tokens == 1]
         lookahead: dict[Sequence, int] = {}
         for decoder, seqs in self._by_decoder(decoding).items():
+            seqs = [s for s in seqs if self.gate.allows(s)]
+            if not seqs:
+                continue
             wants = decoder.plan(seqs, {s: self._max_drafts(s) for s in seqs})
             lookahead.update({s: n for s, n in wants.items() if n > 0})
         return lookahead

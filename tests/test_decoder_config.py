@@ -70,3 +70,50 @@ def test_offline_api_picks_a_loaded_decoder_per_call(tiny_model_dir):
     with pytest.raises(ValueError, match="'ngram' is not loaded; loaded: autoregressive, draft"):
         llm.generate(prompt, greedy, SpeculativeOptions("ngram"))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_draft_self_copy_equal_to_the_target_is_refused():
+    with pytest.raises(ValueError, match="is the target itself"):
+        EngineConfig.from_dict({"decoder": {"method": "draft", "draft": {"quantization": "none"}}})
+    with pytest.raises(ValueError, match=r"prompt_lookup_min \(3\) is above prompt_lookup_max"):
+        EngineConfig.from_dict({"decoder": {"prompt_lookup_min": 3, "prompt_lookup_max": 2}})
+
+
+def test_a_draft_model_with_a_shorter_context_drafts_past_it(tiny_model_dir, tmp_path):
+    """The draft's rope table covers the target's context, not only the draft's own."""
+    from engine import LLM, SamplingParams
+    from tests.tiny_models import save_tiny_model
+
+    short = save_tiny_model(tmp_path / "short", max_position_embeddings=32)
+    decoder = {"method": "draft", "draft": {"model": str(short), "quantization": "none"}}
+    llm = LLM(config=EngineConfig(model=str(tiny_model_dir), decoder=decoder))
+    ar = LLM(model=str(tiny_model_dir))
+    prompt, greedy = list(range(3, 43)), SamplingParams(temperature=0, max_tokens=20)
+    assert len(prompt) > 32
+    assert llm.generate(prompt, greedy)[0].token_ids == ar.generate(prompt, greedy)[0].token_ids
+    assert llm.engine.speculator.stats.num_drafts > 0
+
+
+def test_truncated_level1_reads_only_what_level2_has_cached(tiny_model_dir, tiny_draft_model_dir):
+    """With a separate level-2 model, level 1 (level 2's first layers, over level 2's cache)
+    must start where level 2's own K/V end, not where the target's do: on a sequence's first
+    drafting step level 2 has read nothing, so level 1 reads the whole prefix."""
+    from engine import LLM, SamplingParams
+
+    decoder = {
+        "method": "hierarchical",
+        "draft": {"model": str(tiny_draft_model_dir), "quantization": "none"},
+        "hierarchical": {"level1": "draft_truncated", "level1_num_layers": 1},
+    }
+    llm = LLM(config=EngineConfig(model=str(tiny_model_dir), decoder=decoder))
+    level1 = llm.engine.speculator.decoders["hierarchical"].level1
+    starts = []
+    run = level1.runner.run
+
+    def recording_run(items, **options):
+        starts.extend(item.num_cached for item in items)
+        return run(items, **options)
+
+    level1.runner.run = recording_run
+    llm.generate([7, 8, 9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=8))
+    assert starts and starts[0] == 0

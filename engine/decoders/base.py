@@ -76,3 +76,4 @@ class TargetContext:
     kv_cache: object  # engine.kv_cache.KVCache
     device: str
     eos_token_ids: frozenset[int]
+    max_model_len: int  # the longest sequence a draft model must take positions for

@@ -28,7 +28,10 @@ def load_draft_model(config: DecoderConfig, target: TargetContext):
     from engine.models.loader import load_model
     from engine.models.pull import resolve_model
 
-    model, _ = load_model(resolve_model(spec.model), target.model.dtype, target.device, None)
+    # Its rope table must cover the target's context, even past its own trained length.
+    model, _ = load_model(
+        resolve_model(spec.model), target.model.dtype, target.device, target.max_model_len
+    )
     if model.arch.vocab_size != target.model.arch.vocab_size:
         raise ValueError(
             f"draft model {spec.model!r} has a vocabulary of {model.arch.vocab_size} tokens, "

@@ -76,6 +76,7 @@ class ModelDrafter:
         shares_target_cache: bool,
         model_options: dict | None = None,
         seed_offset: int = DRAFT_SEED_OFFSET,
+        follows: ModelDrafter | None = None,
     ):
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -85,6 +86,9 @@ class ModelDrafter:
         # Two drafters over one sequence (the levels of `hierarchical`) need different offsets:
         # a draw must never be reused by whoever verifies it.
         self.seed_offset = seed_offset
+        # A drafter over another drafter's cache (hierarchical's level 1 over level 2's): its
+        # K/V are valid exactly as far as that drafter has read.
+        self.follows = follows
         self._states: weakref.WeakKeyDictionary[Sequence, _DraftState] = weakref.WeakKeyDictionary()
 
     def _state(self, seq: Sequence) -> _DraftState:
@@ -96,7 +100,10 @@ class ModelDrafter:
             # Preempted since: its blocks were freed, so nothing of it is cached. The draft
             # stream goes on: restarting it would reuse draws that already shaped the output.
             state.num_cached, state.num_preemptions = 0, seq.num_preemptions
-        if self.shares_target_cache:
+        if self.follows is not None:
+            leader = self.follows._states.get(seq)
+            state.num_cached = leader.num_cached if leader is not None else 0
+        elif self.shares_target_cache:
             state.num_cached = seq.num_computed_tokens  # the target's cache is authoritative
         state.num_cached = min(state.num_cached, seq.num_computed_tokens)
         return state
@@ -108,6 +115,13 @@ class ModelDrafter:
         if seq.sampling_params.seed is None or seq.generator is None:
             return make_generator(None)
         return make_generator(seq.generator.initial_seed() + self.seed_offset)
+
+    def ends_sequence(self, seq: Sequence, token: int) -> bool:
+        """A draft token that would end the sequence: nothing after it can be emitted."""
+        params = seq.sampling_params
+        return token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.eos_token_ids
+        )
 
     def begin_round(self, seq: Sequence) -> None:
         """Start drafting for ``seq`` at its decode token."""
@@ -200,7 +214,11 @@ class ModelDrafter:
                     q_rows[s].append(dists[i])
                 confidences[s].append(tops[i])
                 entropies[s].append(ents[i])
-                if len(drafts[s]) < num_drafts[s] and self.window.keep_drafting(tops[i], ents[i]):
+                if (
+                    len(drafts[s]) < num_drafts[s]
+                    and not self.ends_sequence(s, token)
+                    and self.window.keep_drafting(tops[i], ents[i])
+                ):
                     still.append(s)
             active = still
         return {

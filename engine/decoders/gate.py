@@ -31,8 +31,7 @@ class TargetConfidenceGate:
     def allows(self, seq: Sequence) -> bool:
         if not self.enabled:
             return True
-        # A sequence that has emitted nothing yet (its first token came from the prefill
-        # without being observed) drafts.
+        # A sequence the gate has not observed yet drafts.
         allowed = self._last.get(seq, 1.0) >= self.min_target_prob
         self.num_gated += not allowed
         return allowed

@@ -65,14 +65,15 @@ class HierarchicalDecoder(Decoder):
         self.level1 = None  # ngram
         if spec.level1 == "draft_truncated":
             small = first_layers(model, spec.level1_num_layers)
-            # Level 1's K/V are level 2's for the same layers: it reads level 2's cache as
-            # verified so far and drafts on (see ModelDrafter's shared mode).
+            # Level 1's K/V are level 2's for the same layers: it reads level 2's cache as far
+            # as level 2 has read, catches up on the rest, and drafts on.
             self.level1 = ModelDrafter(
                 ModelRunner(small, kv_cache, target.device),
                 target.eos_token_ids,
                 FixedWindow(),
-                shares_target_cache=True,
+                shares_target_cache=shares,
                 seed_offset=LEVEL1_SEED_OFFSET,
+                follows=self.level2,
             )
         self.lookup = (config.prompt_lookup_min, config.prompt_lookup_max)
         self.level2_sampler = RejectionSampler(target.eos_token_ids)
@@ -141,8 +142,10 @@ class HierarchicalDecoder(Decoder):
                         q_rows[s].append(dists[offset + j])
                     stats[s][0].append(tops[offset + j])
                     stats[s][1].append(ents[offset + j])
-                    if ents[offset + j] > self.tau2 or not self.window.keep_drafting(
-                        tops[offset + j], ents[offset + j]
+                    if (
+                        ents[offset + j] > self.tau2
+                        or level2.ends_sequence(s, token.token_id)
+                        or not self.window.keep_drafting(tops[offset + j], ents[offset + j])
                     ):
                         confident = False
                         break
