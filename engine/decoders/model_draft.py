@@ -17,10 +17,6 @@ class ModelDraftDecoder(Decoder):
         self.name = name
         self.drafter = drafter
 
-    @property
-    def window(self):
-        return self.drafter.window
-
     def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
         # Ask for the whole window: how far to draft is only known while drafting.
         return {seq: k for seq, k in max_drafts.items() if k > 0}
