@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import multiprocessing
 import os
 import signal
@@ -431,6 +432,9 @@ def test_shutdown_during_start_leaves_no_process(tiny_model_dir, served, delay):
 
 
 def open_fds() -> int:
+    # Collect first: garbage of earlier tests (a file, a pipe) closed mid-test would otherwise
+    # lower the count and pass for a difference this test did not make.
+    gc.collect()
     return len(os.listdir("/proc/self/fd"))
 
 
