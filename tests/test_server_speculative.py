@@ -40,16 +40,13 @@ def server(tiny_chat_model_dir, tmp_path_factory):
         proc.stop()
 
 
+def request_body(**extra) -> dict:
+    body = {"model": MODEL, "prompt": PROMPT, "temperature": 0, "max_tokens": 40}
+    return {**body, "ignore_eos": True, **extra}
+
+
 def complete(server, **extra):
-    body = {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "temperature": 0,
-        "max_tokens": 40,
-        "ignore_eos": True,
-        **extra,
-    }
-    return httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    return httpx.post(server.url + "/v1/completions", json=request_body(**extra), timeout=60)
 
 
 def spec_metric(server, name: str, decoder: str = "ngram") -> float:
@@ -80,15 +77,7 @@ def test_per_request_choice_gives_identical_greedy_text(server):
 def test_per_request_choice_streams_over_sse(server, method):
     plain = complete(server, speculative={"method": "autoregressive"}).json()
     runs = spec_metric(server, "spec_decode_num_drafts_total", method)
-    body = {
-        "model": MODEL,
-        "prompt": PROMPT,
-        "temperature": 0,
-        "max_tokens": 40,
-        "ignore_eos": True,
-        "stream": True,
-        "speculative": {"method": method},
-    }
+    body = request_body(stream=True, speculative={"method": method})
     text = ""
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():

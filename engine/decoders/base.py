@@ -46,6 +46,12 @@ class Proposal:
     confidences: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
 
+    @classmethod
+    def drawn(cls, token_ids, q_rows, confidences, entropies) -> Proposal:
+        """A model drafter's chain: ``q_rows`` holds one q per token (sampled requests) or
+        is empty (greedy requests, whose q the rejection sampler does not read)."""
+        return cls(token_ids, torch.stack(q_rows) if q_rows else None, confidences, entropies)
+
 
 class Decoder:
     """Plain autoregressive decoding: no drafts. Drafting decoders override the hooks."""

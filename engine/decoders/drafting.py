@@ -222,13 +222,7 @@ class ModelDrafter:
                     still.append(s)
             active = still
         return {
-            s: Proposal(
-                drafts[s],
-                torch.stack(q_rows[s]) if q_rows[s] else None,
-                confidences[s],
-                entropies[s],
-            )
-            for s in drafts
+            s: Proposal.drawn(drafts[s], q_rows[s], confidences[s], entropies[s]) for s in drafts
         }
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:

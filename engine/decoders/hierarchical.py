@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.config import DecoderConfig
 from engine.decoders.base import Decoder, Proposal, TargetContext
 from engine.decoders.draft import draft_kv_cache, load_draft_model
@@ -156,12 +154,7 @@ class HierarchicalDecoder(Decoder):
                     still.append(s)
             active = still
         return {
-            s: Proposal(
-                chains[s],
-                torch.stack(q_rows[s]) if q_rows[s] else None,
-                stats[s][0],
-                stats[s][1],
-            )
+            s: Proposal.drawn(chains[s], q_rows[s], stats[s][0], stats[s][1])
             for s in seqs
             if chains[s]
         }
