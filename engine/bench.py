@@ -1,8 +1,9 @@
-"""Offline benchmark: our engine against Hugging Face ``generate()`` in the same run.
+"""Offline benchmark: our engine against Hugging Face ``generate()`` and llama.cpp in one run.
 
 Prints decode tokens/s at batch 1 and batch N, time to first token for a long prompt, the
-same figures for transformers on the same prompts, their ratios, and the memory-bandwidth
-floor of a decode step (weight bytes / measured read bandwidth).
+same figures for transformers and for llama.cpp (on the model's GGUF file, engine/bench_llamacpp.py)
+on the same prompts, their ratios, and the memory-bandwidth floor of a decode step (weight bytes /
+measured read bandwidth).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from engine.bench_llamacpp import LlamaCppFigures, find_gguf, llamacpp_baseline
 from engine.llm import LLM
 from engine.sampling import SamplingParams
 
@@ -137,7 +140,59 @@ def hf_baseline(llm: LLM, prompts, max_tokens: int, prompt_len: int) -> list[flo
     ]
 
 
-def run_offline(config, batch: int, max_tokens: int, prompt_len: int, with_hf: bool) -> None:
+@dataclass
+class LlamaCppOptions:
+    """The llama.cpp column: ``gguf`` overrides the model directory's GGUF file; ``n_batch`` is
+    its prompt batch (1 where multi-token prompt evaluation crashes, as on some AMX machines)."""
+
+    enabled: bool = True
+    gguf: str | None = None
+    n_batch: int = 512
+
+
+def llamacpp_figures(config, llm: LLM, prompts, max_tokens, prompt_len, options) -> LlamaCppFigures:
+    """llama.cpp on --gguf, else the .gguf the engine was given, else the model directory's."""
+    if not options.enabled:
+        return LlamaCppFigures(notes=["llama.cpp skipped: --no-llamacpp"])
+    gguf = Path(options.gguf) if options.gguf else None
+    if gguf is None and str(config.model).endswith(".gguf"):
+        gguf = Path(config.model)  # the engine itself was converted from this file
+    gguf = gguf or find_gguf(llm.model_dir)
+    long_ids = long_prompt(llm, prompt_len)
+    threads = torch.get_num_threads()
+    return llamacpp_baseline(gguf, prompts, long_ids, max_tokens, threads, options.n_batch)
+
+
+def _versus(ours: float, theirs: float | None, lower_is_better: bool) -> str:
+    """A baseline's cell and how many times better ours is ('-' where it was not measured)."""
+    if theirs is None:
+        return "- | -"
+    # Higher is better for tokens/s, lower for TTFT: the ratio is always "times better".
+    ratio = theirs / ours if lower_is_better else ours / theirs
+    return f"{theirs:.3f} | {ratio:.2f}x"
+
+
+def print_table(names: list[str], ours, hf: list[float] | None, lcpp: LlamaCppFigures) -> None:
+    print(
+        "\n| metric | specserve | transformers generate() | x transformers | llama.cpp "
+        "| x llama.cpp |\n|---|---|---|---|---|---|"
+    )
+    for i, name in enumerate(names):
+        versus_hf = _versus(ours[i], hf[i] if hf else None, lower_is_better=i == 2)
+        versus_lcpp = _versus(ours[i], lcpp.rows()[i], lower_is_better=i == 2)
+        print(f"| {name} | {ours[i]:.3f} | {versus_hf} | {versus_lcpp} |")
+    for note in lcpp.notes:
+        print(note)
+
+
+def run_offline(
+    config,
+    batch: int,
+    max_tokens: int,
+    prompt_len: int,
+    with_hf: bool,
+    llamacpp: LlamaCppOptions | None = None,
+) -> None:
     """``config`` is the EngineConfig to benchmark (model, decoder, cache sizes)."""
     llm = LLM(config=config)
     arch = llm.engine.model.arch
@@ -157,21 +212,15 @@ def run_offline(config, batch: int, max_tokens: int, prompt_len: int, with_hf: b
     ours_1 = ours_decode(llm, prompts[:1], max_tokens)
     ours_n = ours_decode(llm, prompts, max_tokens)
     ttft = ours_ttft(llm, long_prompt(llm, prompt_len))
-    ours = [ours_1, ours_n, ttft]
     theirs = hf_baseline(llm, prompts, max_tokens, prompt_len) if with_hf else None
+    options = llamacpp or LlamaCppOptions()
+    lcpp = llamacpp_figures(config, llm, prompts, max_tokens, prompt_len, options)
     names = [
         "decode tok/s, batch 1",
         f"decode tok/s, batch {batch}",
         f"TTFT s, {prompt_len}-token prompt",
     ]
-    print("\n| metric | specserve | transformers generate() | ratio |\n|---|---|---|---|")
-    for i, name in enumerate(names):
-        if theirs is None:
-            print(f"| {name} | {ours[i]:.3f} | - | - |")
-            continue
-        # Higher is better for tokens/s, lower for TTFT: the ratio is always "times better".
-        ratio = theirs[i] / ours[i] if i == 2 else ours[i] / theirs[i]
-        print(f"| {name} | {ours[i]:.3f} | {theirs[i]:.3f} | {ratio:.2f}x |")
+    print_table(names, [ours_1, ours_n, ttft], theirs, lcpp)
     print(
         f"\nbatch-1 decode = {ours_1 / floor_tps:.0%} of the bandwidth floor; "
         f"batch {batch} = {ours_n / ours_1:.1f}x batch-1 tokens/s"

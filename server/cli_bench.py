@@ -10,7 +10,7 @@ from server.cli_generate import add_model_arguments, engine_config_from_args
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     if args.decoder:  # the decoder comparison: --decoder all, or variant names
         return _run_decoder_bench(args, args.decoder)
-    from engine.bench import run_offline
+    from engine.bench import LlamaCppOptions, run_offline
 
     run_offline(
         engine_config_from_args(args),
@@ -18,6 +18,7 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
         args.max_tokens,
         args.prompt_len,
         with_hf=not args.no_hf,
+        llamacpp=LlamaCppOptions(not args.no_llamacpp, args.gguf, args.llamacpp_n_batch),
     )
     return 0
 
@@ -81,15 +82,31 @@ def _add_decoder_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_llamacpp_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gguf",
+        help="GGUF file for the llama.cpp column (default: the *.gguf in the model directory)",
+    )
+    p.add_argument(
+        "--llamacpp-n-batch",
+        type=int,
+        default=512,
+        help="llama.cpp prompt batch size; 1 where its multi-token prompt evaluation crashes "
+        "(seen on some Intel AMX machines)",
+    )
+    p.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp baseline")
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks")
     which = p.add_subparsers(dest="bench", metavar="BENCH", required=True)
     offline = which.add_parser(
         "offline",
-        help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate(); with "
-        "--decoder all (or variant names), speculative decoders vs autoregressive",
+        help="decode tokens/s (batch 1 and N) and TTFT vs transformers generate() and llama.cpp; "
+        "with --decoder all (or variant names), speculative decoders vs autoregressive",
         description="Without --decoder: decode tokens/s at batch 1 and N and TTFT against "
-        "transformers generate(). With --decoder all, or comma-separated variant names "
+        "transformers generate() and llama.cpp (llama-cpp-python on the model's GGUF file, "
+        "pip install 'specserve[bench]'). With --decoder all, or comma-separated variant names "
         "(ngram, draft-int8, draft-int4, draft-bf16, draft-int8-8layers, layerskip, hierarchical, "
         "draft-int8-adaptive, draft-int8-entropy, draft-int8-gate0.3): each speculative "
         "decoder against autoregressive decoding and transformers' assisted generation on the "
@@ -100,6 +117,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     offline.add_argument("--max-tokens", type=int, default=128)
     offline.add_argument("--prompt-len", type=int, default=512)
     offline.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    _add_llamacpp_arguments(offline)
     _add_decoder_bench_arguments(offline)
     offline.set_defaults(func=_cmd_bench_offline)
     linear = which.add_parser(

@@ -118,7 +118,10 @@ QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear
 
 
 def dense_weight(linear: Linear) -> torch.Tensor:
-    """A Linear's weight as a plain [out, in] tensor (unpacking a oneDNN-packed one)."""
+    """A linear's weight as a plain float [out, in] tensor (unpacking a oneDNN-packed one,
+    dequantizing a stored one)."""
+    if hasattr(linear, "dense_weight"):  # QuantizedLinear, StackedLinear
+        return linear.dense_weight()
     if not linear.packed:
         return linear.weight
     eye = torch.eye(linear.in_features, dtype=torch.float32, device="cpu")

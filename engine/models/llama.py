@@ -21,7 +21,9 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.linear import Linear
+from engine.models.products import dequantize
 from engine.models.rope import RopeFactors, RotaryEmbedding, rotate
+from engine.models.weight_formats import StoredWeight
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ class LlamaModel(nn.Module):
         self,
         arch: ModelArchitecture,
         rope: RotaryEmbedding,
-        embed_tokens: torch.Tensor,
+        embed_tokens: torch.Tensor | StoredWeight,
         layers: Sequence[DecoderLayer],
         final_norm: torch.Tensor,
         lm_head: Linear,
@@ -161,8 +163,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.rope = rope
-        # With tied embeddings the LM head holds its own (packed) copy of this table: the
-        # lookup wants rows, the product wants oneDNN's layout.
+        # A dense table, or a stored (quantized) one whose looked-up rows are dequantized. With
+        # tied embeddings a dense LM head holds its own (packed) copy of the table, since the
+        # lookup wants rows and the product oneDNN's layout; a stored one shares it.
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
@@ -170,7 +173,8 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.dtype
+        """The activations' dtype (weights may be stored in other formats)."""
+        return self.final_norm.dtype
 
     @property
     def weight_bytes_per_token(self) -> int:
@@ -178,6 +182,9 @@ class LlamaModel(nn.Module):
         return sum(getattr(m, "nbytes", 0) for m in self.modules() if m is not self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.embed_tokens, StoredWeight):
+            rows = dequantize(self.embed_tokens.select_rows(input_ids))
+            return rows.to(self.dtype)
         return self.embed_tokens.index_select(0, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
-"""Load a Hugging Face Llama-family checkpoint (a local directory) into ``LlamaModel``.
+"""Load a Llama-family checkpoint (a local directory) into ``LlamaModel``.
 
-transformers supplies the config; tensors are read with safetensors and re-laid-out once
-at load time (q/k/v and gate/up fused, projections prepacked where that is faster).
+transformers supplies the config. A directory that keeps a GGUF file has its weights read
+from it as stored (quantized projections stay quantized, see ``gguf_weights``); otherwise
+safetensors are read. Weights are re-laid-out once at load time (q/k/v and gate/up fused,
+dense projections prepacked where that is faster), and the products of quantized ones are
+autotuned for this machine (``autotune``).
 """
 
 from __future__ import annotations
@@ -12,10 +15,16 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
+from engine.models.gguf_weights import find_gguf, read_gguf_weights
 from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, LlamaModel, ModelArchitecture
+from engine.models.quantized_linear import QuantizedLinear, StackedLinear
 from engine.models.rope import RotaryEmbedding, interleave_rope_rows
+from engine.models.weight_formats import StoredWeight, cat_rows
+
+Weight = torch.Tensor | StoredWeight
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
@@ -61,35 +70,53 @@ def load_model(
     """
     config = load_hf_config(model_dir)
     max_positions = max_positions or config.max_position_embeddings
-    model = build_model(config, read_state_dict(model_dir), dtype, device, max_positions)
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        weights, rope_interleaved = read_gguf_weights(gguf)
+        model = build_model(config, weights, dtype, device, max_positions, rope_interleaved)
+    else:
+        model = build_model(config, read_state_dict(model_dir), dtype, device, max_positions)
     return model, config
 
 
 def build_model(
     config,
-    state_dict: Mapping[str, torch.Tensor],
+    state_dict: Mapping[str, Weight],
     dtype: torch.dtype,
     device: torch.device | str,
     max_positions: int,
+    rope_interleaved: bool = False,
 ) -> LlamaModel:
-    """Build from an HF config and its state dict (also used by tests on random models)."""
+    """Build from an HF config and its weights by HF name (also used by tests on random
+    models). Weights are dense tensors or ``StoredWeight``s; ``rope_interleaved`` says q/k rows
+    are already in the model's rope layout (llama.cpp's GGUF conversion does that)."""
     arch = ModelArchitecture.from_hf_config(config)
     rope = RotaryEmbedding(config, arch.head_dim, max_positions, dtype, device)
     get = _tensor_getter(state_dict, dtype, device)
     pack = str(device).startswith("cpu")
 
-    def linear(*prefixes: str, bias: bool = False) -> Linear:
+    def linear(*prefixes: str, bias: bool = False) -> nn.Module:
         """One projection from the named [out, in] weights, fused in the given order."""
-        weight = torch.cat([get_rows(p + ".weight") for p in prefixes])
+        weights = [get_rows(p + ".weight") for p in prefixes]
         b = torch.cat([get_rows(p + ".bias") for p in prefixes]) if bias else None
-        return Linear(weight, b, pack=pack)
+        if all(isinstance(w, torch.Tensor) for w in weights):
+            return Linear(torch.cat(weights), b, pack=pack)
+        stored = [w if isinstance(w, StoredWeight) else None for w in weights]
+        fused = None if None in stored else cat_rows(stored)
+        if fused is not None:
+            return QuantizedLinear(fused, b)
+        # Parts in different formats (a GGUF quantization mix): one product each.
+        sizes = [w.shape[0] for w in weights]
+        biases = b.split(sizes) if b is not None else [None] * len(weights)
+        parts = [_single_linear(w, bb, pack) for w, bb in zip(weights, biases, strict=True)]
+        return StackedLinear(parts)
 
-    def get_rows(name: str) -> torch.Tensor:
+    def get_rows(name: str) -> Weight:
         # q and k rows are reordered for the model's rope layout (see interleave_rope_rows).
-        if ".q_proj." in name:
-            return interleave_rope_rows(get(name), arch.num_heads)
-        if ".k_proj." in name:
-            return interleave_rope_rows(get(name), arch.num_kv_heads)
+        heads = {".q_proj.": arch.num_heads, ".k_proj.": arch.num_kv_heads}
+        for part, num_heads in heads.items():
+            if part in name and not (rope_interleaved and name.endswith(".weight")):
+                return _interleave(get(name), num_heads)
         return get(name)
 
     layers = []
@@ -118,12 +145,29 @@ def build_model(
     return model.eval()
 
 
+def _single_linear(weight: Weight, bias: torch.Tensor | None, pack: bool) -> nn.Module:
+    if isinstance(weight, StoredWeight):
+        return QuantizedLinear(weight, bias)
+    return Linear(weight, bias, pack=pack)
+
+
+def _interleave(weight: Weight, num_heads: int) -> Weight:
+    """``interleave_rope_rows`` for dense and stored weights (a stored one permutes rows)."""
+    if isinstance(weight, torch.Tensor):
+        return interleave_rope_rows(weight, num_heads)
+    rows = torch.arange(weight.shape[0], device=weight.codes.device)
+    return weight.select_rows(interleave_rope_rows(rows, num_heads))
+
+
 def _tensor_getter(
-    state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype, device
-) -> Callable[[str], torch.Tensor]:
-    def get(name: str) -> torch.Tensor:
+    state_dict: Mapping[str, Weight], dtype: torch.dtype, device
+) -> Callable[[str], Weight]:
+    def get(name: str) -> Weight:
         if name not in state_dict:
             raise KeyError(f"checkpoint has no tensor {name!r}")
-        return state_dict[name].to(device=device, dtype=dtype)
+        w = state_dict[name]
+        if isinstance(w, StoredWeight):
+            return w.to(device)
+        return w.to(device=device, dtype=dtype)
 
     return get

@@ -1,0 +1,597 @@
+// Products against weights kept in their stored (block-quantized or half) form.
+//
+// y[M, N] = x[M, K] @ dequant(W)[N, K].T, float32 accumulation. Each output row n of W is
+// dequantized once into a small float buffer (exactly as gguf-py/transformers dequantize it,
+// so the result equals the float32-dequantized model up to summation order), then dotted with
+// all M rows of x while the buffer sits in L1. One pass over the stored bytes serves every row of
+// x, which is what keeps verification (a few rows) near the one-row cost.
+//
+// Weight layouts (engine/models/weight_formats.py builds them from GGUF blocks):
+//   codes uint8 [N, K/2]  4-bit codes, blocks of 32: byte j of a block holds weights j (low
+//                         nibble) and j + 16 (high nibble); w = scale * code + min
+//   codes int8  [N, K]    8-bit codes, blocks of 16; w = scale * code (+ min if mins given)
+//   codes half/bfloat16 [N, K]   plain half-precision rows (scales, mins empty)
+//   scales, mins          [N, K / block] float16 or float32 (mins may be empty)
+//
+// The instruction set is picked at run time: AVX-512F, AVX2+FMA+F16C, or portable C++ that
+// the compiler vectorizes for the target it was built for (NEON on aarch64).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum class CodeKind { U4, I8, F16, BF16 };
+
+struct WeightRows {
+  CodeKind kind;
+  const uint8_t* codes;
+  int64_t code_row_bytes;
+  const void* scales;
+  const void* mins;  // nullptr: no min
+  bool scales_f16;
+  int64_t groups;  // scale groups per row
+  int64_t K;
+};
+
+inline float scale_at(const void* p, bool f16, int64_t i) {
+  return f16 ? float(reinterpret_cast<const c10::Half*>(p)[i]) : reinterpret_cast<const float*>(p)[i];
+}
+
+// ---------------------------------------------------------------- portable (reference) path
+
+void dequant_row_portable(const WeightRows& w, int64_t n, float* out) {
+  const uint8_t* q = w.codes + n * w.code_row_bytes;
+  const int64_t g0 = n * w.groups;
+  switch (w.kind) {
+    case CodeKind::U4:
+      for (int64_t b = 0; b < w.groups; ++b) {
+        const float d = scale_at(w.scales, w.scales_f16, g0 + b);
+        const float m = scale_at(w.mins, w.scales_f16, g0 + b);
+        for (int j = 0; j < 16; ++j) {
+          out[32 * b + j] = float(q[16 * b + j] & 15) * d + m;
+          out[32 * b + j + 16] = float(q[16 * b + j] >> 4) * d + m;
+        }
+      }
+      break;
+    case CodeKind::I8: {
+      const int8_t* s = reinterpret_cast<const int8_t*>(q);
+      for (int64_t b = 0; b < w.groups; ++b) {
+        const float d = scale_at(w.scales, w.scales_f16, g0 + b);
+        const float m = w.mins ? scale_at(w.mins, w.scales_f16, g0 + b) : 0.f;
+        for (int j = 0; j < 16; ++j) out[16 * b + j] = float(s[16 * b + j]) * d + m;
+      }
+      break;
+    }
+    case CodeKind::F16: {
+      const c10::Half* h = reinterpret_cast<const c10::Half*>(q);
+      for (int64_t k = 0; k < w.K; ++k) out[k] = float(h[k]);
+      break;
+    }
+    case CodeKind::BF16: {
+      const c10::BFloat16* h = reinterpret_cast<const c10::BFloat16*>(q);
+      for (int64_t k = 0; k < w.K; ++k) out[k] = float(h[k]);
+      break;
+    }
+  }
+}
+
+void dot_rows_portable(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // eight partial sums: the compiler vectorizes
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8)
+      for (int j = 0; j < 8; ++j) acc[j] += xr[k + j] * w[k + j];
+    float sum = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; k < K; ++k) sum += xr[k] * w[k];
+    y[m * ldy] = sum;
+  }
+}
+
+#if defined(__x86_64__)
+// ----------------------------------------------------------------------------- AVX-512F path
+#define AVX512 __attribute__((target("avx512f")))
+
+AVX512 inline __m512 scale16(const void* p, bool f16, int64_t i) {
+  return _mm512_set1_ps(scale_at(p, f16, i));
+}
+
+AVX512 void dequant_row_avx512(const WeightRows& w, int64_t n, float* out) {
+  const uint8_t* q = w.codes + n * w.code_row_bytes;
+  const int64_t g0 = n * w.groups;
+  if (w.kind == CodeKind::U4) {
+    const __m512i low4 = _mm512_set1_epi32(15);
+    for (int64_t b = 0; b < w.groups; ++b) {
+      const __m512 d = scale16(w.scales, w.scales_f16, g0 + b);
+      const __m512 m = scale16(w.mins, w.scales_f16, g0 + b);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, low4));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      _mm512_storeu_ps(out + 32 * b, _mm512_fmadd_ps(lo, d, m));  // d * code is exact
+      _mm512_storeu_ps(out + 32 * b + 16, _mm512_fmadd_ps(hi, d, m));
+    }
+  } else if (w.kind == CodeKind::I8) {
+    for (int64_t b = 0; b < w.groups; ++b) {
+      const __m512 d = scale16(w.scales, w.scales_f16, g0 + b);
+      const __m512 m = w.mins ? scale16(w.mins, w.scales_f16, g0 + b) : _mm512_setzero_ps();
+      const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
+      _mm512_storeu_ps(out + 16 * b, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, m));
+    }
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(q);
+    int64_t k = 0;
+    for (; k + 16 <= w.K; k += 16) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(h + k));
+      const __m512 f = w.kind == CodeKind::F16
+          ? _mm512_cvtph_ps(v)
+          : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+      _mm512_storeu_ps(out + k, f);
+    }
+    for (; k < w.K; ++k)
+      out[k] = w.kind == CodeKind::F16 ? float(reinterpret_cast<const c10::Half*>(h)[k])
+                                       : float(reinterpret_cast<const c10::BFloat16*>(h)[k]);
+  }
+}
+
+// R rows of x against one dequantized weight row; U independent accumulators per row hide the
+// FMA latency when R is small.
+template <int R, int U>
+AVX512 void dot_tile_avx512(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 * U <= K; k += 16 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m512 wv = _mm512_loadu_ps(w + k + 16 * u);
+      for (int r = 0; r < R; ++r)
+        acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16 * u), wv, acc[r][u]);
+    }
+  for (; k + 16 <= K; k += 16) {
+    const __m512 wv = _mm512_loadu_ps(w + k);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), wv, acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+    float sum = _mm512_reduce_add_ps(acc[r][0]);
+    for (int64_t t = k; t < K; ++t) sum += x[r * K + t] * w[t];
+    y[r * ldy] = sum;
+  }
+}
+
+AVX512 void dot_rows_avx512(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_tile_avx512<4, 1>(x + m * K, K, w, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: dot_tile_avx512<3, 1>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 2: dot_tile_avx512<2, 2>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 1: dot_tile_avx512<1, 4>(x + m * K, K, w, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+
+
+// This row's per-block scales and mins as float32 (float16 ones converted once per row), so the
+// block loops broadcast them straight from memory.
+struct RowScales {
+  const float* d;
+  const float* m;  // nullptr: no min
+};
+
+AVX512 void halves_to_float_avx512(const void* src, int64_t count, float* dst) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+  for (; i < count; ++i) dst[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
+}
+
+AVX512 RowScales row_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
+  const int64_t g0 = n * w.groups;
+  if (!w.scales_f16)
+    return {reinterpret_cast<const float*>(w.scales) + g0,
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr};
+  halves_to_float_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, w.groups, dbuf);
+  if (w.mins) halves_to_float_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, w.groups, mbuf);
+  return {dbuf, w.mins ? mbuf : nullptr};
+}
+
+// One 4-bit block: dequantize 32 weights in registers, accumulate into acc[r][2u], acc[r][2u+1].
+template <int MR, int A>
+AVX512 __attribute__((always_inline)) inline void u4_block_avx512(
+    const uint8_t* q, RowScales s, int64_t b, const float* x, int64_t K, __m512 (&acc)[MR][A], int u) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
+  const __m512 d = _mm512_set1_ps(s.d[b]), m = _mm512_set1_ps(s.m[b]);
+  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
+  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+  for (int r = 0; r < MR; ++r) {
+    acc[r][2 * u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + 32 * b), lo, acc[r][2 * u]);
+    acc[r][2 * u + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + 32 * b + 16), hi, acc[r][2 * u + 1]);
+  }
+}
+
+// One 8-bit block of 16 weights into acc[r][u].
+template <int MR, int A>
+AVX512 __attribute__((always_inline)) inline void i8_block_avx512(
+    const uint8_t* q, RowScales s, int64_t b, const float* x, int64_t K, __m512 (&acc)[MR][A], int u) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
+  const __m512 d = _mm512_set1_ps(s.d[b]);
+  const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[b]))
+                        : _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
+  for (int r = 0; r < MR; ++r)
+    acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + 16 * b), wv, acc[r][u]);
+}
+
+// MR rows of x against one weight row, dequantizing each block in registers (no buffer):
+// w = code * d + m exactly as stored, then float32 FMAs. U blocks are unrolled so a single row
+// of x still has several independent accumulators.
+template <int MR, int U>
+AVX512 void fused_u4_avx512(const uint8_t* q, RowScales s, int64_t G, const float* x, int64_t K,
+                            float* y, int64_t ldy) {
+  __m512 acc[MR][2 * U];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < 2 * U; ++u) acc[r][u] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + U <= G; b += U)
+    for (int u = 0; u < U; ++u) u4_block_avx512<MR>(q, s, b + u, x, K, acc, u);
+  for (; b < G; ++b) u4_block_avx512<MR>(q, s, b, x, K, acc, 0);
+  for (int r = 0; r < MR; ++r) {
+    for (int u = 1; u < 2 * U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+    y[r * ldy] = _mm512_reduce_add_ps(acc[r][0]);
+  }
+}
+
+template <int MR, int U>
+AVX512 void fused_i8_avx512(const uint8_t* q, RowScales s, int64_t G, const float* x, int64_t K,
+                            float* y, int64_t ldy) {
+  __m512 acc[MR][U];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + U <= G; b += U)
+    for (int u = 0; u < U; ++u) i8_block_avx512<MR>(q, s, b + u, x, K, acc, u);
+  for (; b < G; ++b) i8_block_avx512<MR>(q, s, b, x, K, acc, 0);
+  for (int r = 0; r < MR; ++r) {
+    for (int u = 1; u < U; ++u) acc[r][0] = _mm512_add_ps(acc[r][0], acc[r][u]);
+    y[r * ldy] = _mm512_reduce_add_ps(acc[r][0]);
+  }
+}
+
+// All M rows of x against weight row n, in tiles of up to four rows.
+AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
+                             int64_t ldy, float* scratch) {
+  const RowScales s = row_scales_avx512(w, n, scratch, scratch + w.groups);
+  const uint8_t* q = w.codes + n * w.code_row_bytes;
+  const int64_t K = w.K, G = w.groups;
+  const bool u4 = w.kind == CodeKind::U4;
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    u4 ? fused_u4_avx512<4, 1>(q, s, G, x + m * K, K, y + m * ldy, ldy)
+       : fused_i8_avx512<4, 1>(q, s, G, x + m * K, K, y + m * ldy, ldy);
+  const float* xr = x + m * K;
+  float* yr = y + m * ldy;
+  switch (M - m) {
+    case 3: u4 ? fused_u4_avx512<3, 1>(q, s, G, xr, K, yr, ldy) : fused_i8_avx512<3, 2>(q, s, G, xr, K, yr, ldy); break;
+    case 2: u4 ? fused_u4_avx512<2, 1>(q, s, G, xr, K, yr, ldy) : fused_i8_avx512<2, 2>(q, s, G, xr, K, yr, ldy); break;
+    case 1: u4 ? fused_u4_avx512<1, 2>(q, s, G, xr, K, yr, ldy) : fused_i8_avx512<1, 4>(q, s, G, xr, K, yr, ldy); break;
+    default: break;
+  }
+}
+
+// ------------------------------------------------------------------------ AVX2 + FMA + F16C
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+AVX2 inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+AVX2 void dequant_row_avx2(const WeightRows& w, int64_t n, float* out) {
+  const uint8_t* q = w.codes + n * w.code_row_bytes;
+  const int64_t g0 = n * w.groups;
+  if (w.kind == CodeKind::U4) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t b = 0; b < w.groups; ++b) {
+      const __m256 d = _mm256_set1_ps(scale_at(w.scales, w.scales_f16, g0 + b));
+      const __m256 m = _mm256_set1_ps(scale_at(w.mins, w.scales_f16, g0 + b));
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        _mm256_storeu_ps(out + 32 * b + 8 * half, _mm256_fmadd_ps(lo, d, m));
+        _mm256_storeu_ps(out + 32 * b + 16 + 8 * half, _mm256_fmadd_ps(hi, d, m));
+      }
+    }
+  } else if (w.kind == CodeKind::I8) {
+    for (int64_t b = 0; b < w.groups; ++b) {
+      const __m256 d = _mm256_set1_ps(scale_at(w.scales, w.scales_f16, g0 + b));
+      const __m256 m = _mm256_set1_ps(w.mins ? scale_at(w.mins, w.scales_f16, g0 + b) : 0.f);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
+        _mm256_storeu_ps(out + 16 * b + 8 * half, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m));
+      }
+    }
+  } else {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(q);
+    int64_t k = 0;
+    for (; k + 8 <= w.K; k += 8) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(h + k));
+      const __m256 f = w.kind == CodeKind::F16
+          ? _mm256_cvtph_ps(v)
+          : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+      _mm256_storeu_ps(out + k, f);
+    }
+    for (; k < w.K; ++k)
+      out[k] = w.kind == CodeKind::F16 ? float(reinterpret_cast<const c10::Half*>(h)[k])
+                                       : float(reinterpret_cast<const c10::BFloat16*>(h)[k]);
+  }
+}
+
+template <int R, int U>
+AVX2 void dot_tile_avx2(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m256 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 * U <= K; k += 8 * U)
+    for (int u = 0; u < U; ++u) {
+      const __m256 wv = _mm256_loadu_ps(w + k + 8 * u);
+      for (int r = 0; r < R; ++r)
+        acc[r][u] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * u), wv, acc[r][u]);
+    }
+  for (; k + 8 <= K; k += 8) {
+    const __m256 wv = _mm256_loadu_ps(w + k);
+    for (int r = 0; r < R; ++r)
+      acc[r][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), wv, acc[r][0]);
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int u = 1; u < U; ++u) acc[r][0] = _mm256_add_ps(acc[r][0], acc[r][u]);
+    float sum = hsum256(acc[r][0]);
+    for (int64_t t = k; t < K; ++t) sum += x[r * K + t] * w[t];
+    y[r * ldy] = sum;
+  }
+}
+
+AVX2 void dot_rows_avx2(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) dot_tile_avx2<4, 1>(x + m * K, K, w, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: dot_tile_avx2<3, 1>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 2: dot_tile_avx2<2, 2>(x + m * K, K, w, y + m * ldy, ldy); break;
+    case 1: dot_tile_avx2<1, 4>(x + m * K, K, w, y + m * ldy, ldy); break;
+    default: break;
+  }
+}
+
+AVX2 void halves_to_float_avx2(const void* src, int64_t count, float* dst) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < count; ++i) dst[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
+}
+
+AVX2 RowScales row_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
+  const int64_t g0 = n * w.groups;
+  if (!w.scales_f16)
+    return {reinterpret_cast<const float*>(w.scales) + g0,
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr};
+  halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, w.groups, dbuf);
+  if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, w.groups, mbuf);
+  return {dbuf, w.mins ? mbuf : nullptr};
+}
+
+// As the AVX-512 version with 8 lanes: a 4-bit block is four vectors (weights 0-7, 8-15, 16-23,
+// 24-31), which already gives a row four independent accumulators; 16 registers allow two rows.
+template <int MR>
+AVX2 void fused_u4_avx2(const uint8_t* q, RowScales s, int64_t G, const float* x, int64_t K,
+                        float* y, int64_t ldy) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (int64_t b = 0; b < G; ++b) {
+    const __m256 d = _mm256_set1_ps(s.d[b]), m = _mm256_set1_ps(s.m[b]);
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
+      const __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), d, m);
+      const __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d, m);
+      for (int r = 0; r < MR; ++r) {
+        const float* xb = x + r * K + 32 * b + 8 * half;
+        acc[r][half] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), lo, acc[r][half]);
+        acc[r][2 + half] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), hi, acc[r][2 + half]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    y[r * ldy] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                       _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+
+template <int MR>
+AVX2 void fused_i8_avx2(const uint8_t* q, RowScales s, int64_t G, const float* x, int64_t K,
+                        float* y, int64_t ldy) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < G; ++b) {
+    const __m256 d = _mm256_set1_ps(s.d[b]);
+    const __m256 m = s.m ? _mm256_set1_ps(s.m[b]) : _mm256_setzero_ps();
+    const int u = int(b & 1) * 2;  // alternate accumulator pairs between blocks
+    for (int half = 0; half < 2; ++half) {
+      const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
+      const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+      for (int r = 0; r < MR; ++r)
+        acc[r][u + half] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + 16 * b + 8 * half), wv, acc[r][u + half]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    y[r * ldy] = hsum256(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]),
+                                       _mm256_add_ps(acc[r][2], acc[r][3])));
+}
+
+AVX2 void fused_row_avx2(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
+                         int64_t ldy, float* scratch) {
+  const RowScales s = row_scales_avx2(w, n, scratch, scratch + w.groups);
+  const uint8_t* q = w.codes + n * w.code_row_bytes;
+  const int64_t K = w.K, G = w.groups;
+  const bool u4 = w.kind == CodeKind::U4;
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2)
+    u4 ? fused_u4_avx2<2>(q, s, G, x + m * K, K, y + m * ldy, ldy)
+       : fused_i8_avx2<2>(q, s, G, x + m * K, K, y + m * ldy, ldy);
+  if (m < M)
+    u4 ? fused_u4_avx2<1>(q, s, G, x + m * K, K, y + m * ldy, ldy)
+       : fused_i8_avx2<1>(q, s, G, x + m * K, K, y + m * ldy, ldy);
+}
+#endif  // __x86_64__
+
+// ------------------------------------------------------------------------------ dispatching
+
+using DequantRow = void (*)(const WeightRows&, int64_t, float*);
+using DotRows = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t);
+// All rows of x against weight row n without a dequantized buffer (integer codes only).
+using FusedRow = void (*)(const WeightRows&, int64_t, const float*, int64_t, float*, int64_t, float*);
+
+struct Isa {
+  const char* name;
+  DequantRow dequant;
+  DotRows dot;
+  FusedRow fused;  // nullptr: dequantize the row, then dot
+};
+
+Isa isa_by_name(const std::string& name) {
+#if defined(__x86_64__)
+  if (name == "avx512") return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512};
+  if (name == "avx2") return {"avx2", dequant_row_avx2, dot_rows_avx2, fused_row_avx2};
+#endif
+  TORCH_CHECK(name == "portable", "unknown or unavailable instruction set ", name);
+  return {"portable", dequant_row_portable, dot_rows_portable, nullptr};
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    out.push_back("avx2");
+#endif
+  out.push_back("portable");
+  return out;
+}
+
+bool isa_supported(const std::string& name) {
+  const auto all = available_isas();
+  return std::find(all.begin(), all.end(), name) != all.end();
+}
+
+WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous(), "codes must be a contiguous 2-D tensor");
+  WeightRows w{};
+  w.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  w.code_row_bytes = codes.size(1) * codes.element_size();
+  switch (codes.scalar_type()) {
+    case at::kByte: w.kind = CodeKind::U4; w.K = codes.size(1) * 2; break;
+    case at::kChar: w.kind = CodeKind::I8; w.K = codes.size(1); break;
+    case at::kHalf: w.kind = CodeKind::F16; w.K = codes.size(1); break;
+    case at::kBFloat16: w.kind = CodeKind::BF16; w.K = codes.size(1); break;
+    default: TORCH_CHECK(false, "unsupported code dtype ", codes.scalar_type());
+  }
+  if (w.kind == CodeKind::U4 || w.kind == CodeKind::I8) {
+    const int64_t block = w.kind == CodeKind::U4 ? 32 : 16;
+    TORCH_CHECK(w.K % block == 0, "K must be a multiple of ", block);
+    w.groups = w.K / block;
+    TORCH_CHECK(scales.is_contiguous() && scales.numel() == codes.size(0) * w.groups,
+                "scales must hold one value per block");
+    TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat,
+                "scales must be float16 or float32");
+    w.scales = scales.data_ptr();
+    w.scales_f16 = scales.scalar_type() == at::kHalf;
+    if (mins.numel() > 0) {
+      TORCH_CHECK(mins.is_contiguous() && mins.sizes() == scales.sizes() &&
+                      mins.scalar_type() == scales.scalar_type(),
+                  "mins must match scales");
+      w.mins = mins.data_ptr();
+    }
+    TORCH_CHECK(w.kind == CodeKind::I8 || w.mins != nullptr, "4-bit codes need mins");
+  }
+  return w;
+}
+
+// Rows of W per parallel task: enough to amortise the task, few enough to balance two cores.
+constexpr int64_t kRowGrain = 16;
+
+at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                          const at::Tensor& mins, c10::string_view isa_name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
+  const WeightRows w = weight_rows(codes, scales, mins);
+  TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " features, the weight ", w.K);
+  const std::string name(isa_name);
+  TORCH_CHECK(isa_supported(name), "instruction set ", name, " is not available on this CPU");
+  const Isa isa = isa_by_name(name);
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), N = codes.size(0), K = w.K;
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const bool fused = isa.fused && (w.kind == CodeKind::U4 || w.kind == CodeKind::I8);
+  at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);  // one dequantized weight row (or the row's scales), in L1
+    for (int64_t n = begin; n < end; ++n) {
+      if (fused) {
+        isa.fused(w, n, xp, M, yp + n, N, row.data());
+        continue;
+      }
+      isa.dequant(w, n, row.data());
+      isa.dot(xp, M, K, row.data(), yp + n, N);
+    }
+  });
+  return y;
+}
+
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
+                      c10::string_view isa_name) {
+  const WeightRows w = weight_rows(codes, scales, mins);
+  const std::string name(isa_name);
+  TORCH_CHECK(isa_supported(name), "instruction set ", name, " is not available on this CPU");
+  const Isa isa = isa_by_name(name);
+  at::Tensor out = at::empty({codes.size(0), w.K}, codes.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, codes.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) isa.dequant(w, n, op + n * w.K);
+  });
+  return out;
+}
+
+std::string cpu_isas() {
+  std::string s;
+  for (const auto& name : available_isas()) s += (s.empty() ? "" : ",") + name;
+  return s;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specserve, m) {
+  m.def("dequant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, str isa) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, str isa) -> Tensor");
+  m.def("cpu_isas() -> str", cpu_isas);
+}
+
+TORCH_LIBRARY_IMPL(specserve, CPU, m) {
+  m.impl("dequant_matmul", dequant_matmul);
+  m.impl("dequantize", dequantize);
+}

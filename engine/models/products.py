@@ -1,0 +1,88 @@
+"""The products that can multiply activations by a stored weight, and the choice among them.
+
+Every candidate computes ``x @ dequant(W).T`` in float32 for a ``StoredWeight``:
+
+- ``kernel-<isa>``: the C++ kernel (``engine/kernels``) with that instruction set; one pass
+  over the stored bytes serves every row of ``x`` (decode, verification, small batches);
+- ``dequant-blas``: dequantize the weight to float32 (the kernel's fastest dequantizer, in
+  slices of rows), then torch's BLAS product: wins once enough rows share the weight (prefill);
+- ``torch``: dequantize in plain PyTorch, then ``F.linear``. It runs on any device and is the
+  fallback when no kernel could be built.
+
+Which one runs for a given number of rows is measured at load on the machine at hand
+(``engine.models.autotune``), never assumed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels.build import available_isas
+from engine.models.weight_formats import StoredWeight, dequantize_torch
+
+Product = Callable[[torch.Tensor, StoredWeight], torch.Tensor]
+
+# Rows of the weight dequantized at once by ``dequant-blas``: bounds the float32 temporary
+# (an LM head of 49152 x 576 would otherwise be a 113 MB buffer).
+DEQUANT_SLICE_ROWS = 4096
+
+
+def _kernel(isa: str) -> Product:
+    def product(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+        return torch.ops.specserve.dequant_matmul(x, w.codes, w.scales, w.mins, isa)
+
+    return product
+
+
+def dequantize(w: StoredWeight) -> torch.Tensor:
+    """Float32 [N, K] with the fastest dequantizer available for the weight's device."""
+    isas = available_isas() if w.codes.device.type == "cpu" else []
+    if isas:
+        return torch.ops.specserve.dequantize(w.codes, w.scales, w.mins, isas[0])
+    return dequantize_torch(w)
+
+
+def _dequant_blas(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    n = w.shape[0]
+    if n <= DEQUANT_SLICE_ROWS:
+        return F.linear(x, dequantize(w))
+    rows = torch.arange(n, device=w.codes.device)
+    parts = [
+        F.linear(x, dequantize(w.select_rows(rows[i : i + DEQUANT_SLICE_ROWS])))
+        for i in range(0, n, DEQUANT_SLICE_ROWS)
+    ]
+    return torch.cat(parts, dim=-1)
+
+
+def _torch(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
+    return F.linear(x, dequantize_torch(w))
+
+
+def candidates(device: torch.device) -> dict[str, Product]:
+    """Products available for weights on ``device``, by name."""
+    if device.type != "cpu":
+        return {"torch": _torch}
+    isas = available_isas()
+    if not isas:
+        return {"torch": _torch}
+    found: dict[str, Product] = {f"kernel-{isa}": _kernel(isa) for isa in isas}
+    found["dequant-blas"] = _dequant_blas
+    return found
+
+
+def default_product(device: torch.device) -> str:
+    """What runs before (or without) autotuning: the first kernel, else plain PyTorch."""
+    return next(iter(candidates(device)))
+
+
+def product_by_name(name: str) -> Product:
+    if name == "torch":
+        return _torch
+    if name == "dequant-blas":
+        return _dequant_blas
+    if name.startswith("kernel-"):
+        return _kernel(name.removeprefix("kernel-"))
+    raise ValueError(f"unknown product {name!r}")
