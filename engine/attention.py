@@ -167,11 +167,14 @@ def paged_attention(
     v: torch.Tensor,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     attn: AttentionMetadata,
+    write_cache: bool = True,
 ) -> torch.Tensor:
-    """Write k/v [T, KVH, D] into the cache and attend q [T, H, D]; returns [T, H, D]."""
+    """Write k/v [T, KVH, D] into the cache (unless the caller already has) and attend
+    q [T, H, D]; returns [T, H, D]."""
     k_cache, v_cache = kv_cache
-    k_cache.index_copy_(0, attn.slot_mapping, k)
-    v_cache.index_copy_(0, attn.slot_mapping, v)
+    if write_cache:
+        k_cache.index_copy_(0, attn.slot_mapping, k)
+        v_cache.index_copy_(0, attn.slot_mapping, v)
     out = None if attn.groups[0].whole_batch else q.new_empty(q.shape)
     for g in attn.groups:
         qg = _group_rows(q, g)

@@ -1,7 +1,9 @@
 """Build (once per machine) and load the C++ product kernels as ``torch.ops.specserve``.
 
-The kernels are one C++ file registered with ``torch.library``. It is compiled with the
-system's C++ compiler against the installed torch's headers, into the specserve cache
+The kernels are C++ files registered with ``torch.library``: the weight products
+(``dequant_matmul.cpp``) and the fused small operations of a layer (``layer_ops.cpp``).
+They are compiled with the system's C++ compiler against the installed torch's headers
+into one library in the specserve cache
 (keyed by the source, torch version and machine architecture), so the first load on a
 machine compiles for about 20 s and every later one loads at once. The instruction set is
 chosen at run time inside the library, so one build serves any CPU of that architecture.
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("dequant_matmul.cpp")
+SOURCES = [Path(__file__).with_name(n) for n in ("dequant_matmul.cpp", "layer_ops.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -39,7 +41,9 @@ def _cache_dir() -> Path:
 def library_path() -> Path:
     """Where the compiled library for this source, torch and architecture lives."""
     key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + platform.machine().encode()
+        b"".join(s.read_bytes() for s in SOURCES)
+        + torch.__version__.encode()
+        + platform.machine().encode()
     ).hexdigest()[:16]
     return _cache_dir() / f"specserve_kernels-{key}.so"
 
@@ -58,7 +62,7 @@ def _compile(out: Path) -> None:
         partial = Path(tmp) / out.name
         cmd = [
             compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", str(partial),
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(partial),
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}",
         ]  # fmt: skip
         result = subprocess.run(cmd, capture_output=True, text=True)

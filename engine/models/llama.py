@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
+from engine.kernels.build import load_kernels
 from engine.models.linear import Linear
 from engine.models.products import dequantize
 from engine.models.rope import RopeFactors, RotaryEmbedding, rotate
@@ -109,6 +110,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = post_attention_norm
         self.gate_up = gate_up  # gate and up fused
         self.down = down
+        # The fused C++ layer ops (engine/kernels/layer_ops.cpp) serve float32 on the CPU;
+        # the PyTorch ops below are the reference and serve everything else.
+        self.fused_ops = (
+            input_norm.device.type == "cpu"
+            and input_norm.dtype == torch.float32
+            and load_kernels()
+        )
 
     def forward(
         self,
@@ -121,6 +129,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """``attention=False`` / ``mlp=False`` skip that sublayer (a layer-skip draft): the
         residual stream passes through unchanged, and no K/V is written for this layer."""
+        if self.fused_ops:
+            return self._forward_fused(hidden, rope, kv_cache, attn, attention, mlp)
         if attention:
             hidden = self._attention(hidden, rope, kv_cache, attn)
         if mlp:
@@ -140,6 +150,26 @@ class DecoderLayer(nn.Module):
         v = qkv[:, qk_size:].unflatten(1, (arch.num_kv_heads, arch.head_dim))
         out = paged_attention(q, k, v, kv_cache, attn)
         return hidden + self.o(out.reshape(-1, self.q_size))
+
+    def _forward_fused(self, hidden, rope, kv_cache, attn, attention, mlp) -> torch.Tensor:
+        """The same layer in a handful of fused ops; ``hidden`` is updated in place."""
+        ops, eps = torch.ops.specserve, self.arch.rms_norm_eps
+        delta = None
+        if attention:
+            qkv = self.qkv(ops.rms_norm(hidden, self.input_norm, eps))
+            q, k, v = ops.rope_write_kv(
+                qkv, torch.view_as_real(rope), attn.slot_mapping, *kv_cache,
+                self.arch.num_heads, self.arch.num_kv_heads,
+            )  # fmt: skip
+            out = paged_attention(q, k, v, kv_cache, attn, write_cache=False)
+            delta = self.o(out.reshape(-1, self.q_size))
+        if not mlp:
+            return hidden if delta is None else hidden.add_(delta)
+        if delta is None:
+            x = ops.rms_norm(hidden, self.post_attention_norm, eps)
+        else:
+            x = ops.add_rms_norm(hidden, delta, self.post_attention_norm, eps)
+        return hidden.add_(self.down(ops.silu_mul(self.gate_up(x))))
 
 
 @dataclass
@@ -221,7 +251,7 @@ class LlamaModel(nn.Module):
                 hidden, rope, kv_caches[i], attn, i not in skip_attention, i not in skip_mlp
             )
             if i == hidden_layer:
-                captured = hidden
+                captured = hidden.clone()  # later layers may update ``hidden`` in place
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
             if captured is not None:

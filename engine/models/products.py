@@ -68,7 +68,10 @@ def candidates(device: torch.device) -> dict[str, Product]:
     isas = available_isas()
     if not isas:
         return {"torch": _torch}
-    found: dict[str, Product] = {f"kernel-{isa}": _kernel(isa) for isa in isas}
+    # The portable kernel is the reference for CPUs without a vector path; where one exists it
+    # never wins, so it is not measured.
+    vector = [isa for isa in isas if isa != "portable"] or isas
+    found: dict[str, Product] = {f"kernel-{isa}": _kernel(isa) for isa in vector}
     found["dequant-blas"] = _dequant_blas
     return found
 

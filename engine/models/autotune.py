@@ -1,0 +1,174 @@
+"""Choose, on the machine at hand, which product runs each stored weight at each row count.
+
+Layers that share a layout and shape (e.g. the 30 gate/up projections of a model) share a
+plan. For each bucket of row counts, every candidate product runs over all of those layers
+(so the weights stream from memory as in a real step, not from cache) and the fastest wins.
+A candidate must first agree with the plain PyTorch reference, or it is never chosen.
+
+Plans are cached per CPU model, torch version, thread count and shape in
+``<cache>/autotune/products.json``, so only the first load on a machine pays for the
+measurement (a few seconds). ``SPECSERVE_AUTOTUNE=0`` skips it (the first kernel runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.models.products import candidates, product_by_name
+from engine.models.quantized_linear import QuantizedLinear
+from engine.models.weight_formats import dequantize_torch
+
+# Row counts measured: decode (1), verification and small batches (2-32), prefill chunks.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 128)
+# A candidate this many times slower than the best is not measured at larger row counts.
+PRUNE_FACTOR = 3.0
+# Rounds over the candidates (interleaved, so a burst of load elsewhere hits all of them).
+ROUNDS = 4
+# Multiply-adds per timed pass: above this, a pass uses a slice of each weight's rows (many
+# rows make a product compute-bound, so a slice ranks the candidates as the whole would).
+PASS_BUDGET = 1 << 27
+
+
+@dataclass
+class GroupResult:
+    """Seconds per candidate and bucket for one group of layers, and the chosen plan."""
+
+    key: str
+    num_layers: int
+    weight_bytes: int
+    seconds: dict[int, dict[str, float]] = field(default_factory=dict)
+    rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
+
+    def plan(self) -> list[tuple[int, str]]:
+        plan = [(rows, min(t, key=t.get)) for rows, t in sorted(self.seconds.items())]
+        rows, name = plan[-1]
+        plan[-1] = (1 << 62, name)  # the largest bucket's winner serves every larger count
+        return plan
+
+
+def cpu_identity() -> str:
+    """The CPU model and its ISA flags, which decide which kernels win."""
+    model, flags = platform.machine(), ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == platform.machine():
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                wanted = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "fma", "f16c")
+                flags = ",".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+    except OSError:
+        pass
+    return f"{model} [{flags}]"
+
+
+def _cache_file() -> Path:
+    from engine.models.pull import cache_dir
+
+    return cache_dir() / "autotune" / "products.json"
+
+
+def _cache_key(key: str) -> str:
+    return f"{cpu_identity()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{key}"
+
+
+def _load_cache() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_cache(cache: dict) -> None:
+    path = _cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # atomic: concurrent loads read an old or a new file, never half
+
+
+def _agrees(name: str, layer: QuantizedLinear) -> str | None:
+    """None if the candidate matches the float64 reference on random rows, else why not."""
+    x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+    w = layer.stored.to("cpu")
+    reference = x.double() @ dequantize_torch(w).double().T
+    scale = x.abs().double() @ dequantize_torch(w).abs().double().T  # bounds rounding error
+    got = product_by_name(name)(x.to(w.codes.device), layer.stored).double().cpu()
+    error = ((got - reference).abs() / (scale + 1e-30)).max().item()
+    return None if error < 1e-5 else f"relative error {error:.1e} against the reference"
+
+
+@torch.inference_mode()
+def measure_group(key: str, layers: list[QuantizedLinear]) -> GroupResult:
+    """Time every candidate product for every row bucket over all ``layers``."""
+    device = layers[0].stored.codes.device
+    result = GroupResult(key, len(layers), sum(layer.nbytes for layer in layers))
+    names = list(candidates(device))
+    for name in names:
+        if (why := _agrees(name, layers[0])) is not None:
+            result.rejected[name] = why
+    live = [n for n in names if n not in result.rejected] or ["torch"]
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, layers[0].in_features, device=device)
+        weights = _pass_weights(layers, rows)
+        products = {name: product_by_name(name) for name in live}
+        for product in products.values():
+            [product(x, w) for w in weights]  # warm-up
+        times = dict.fromkeys(live, float("inf"))
+        for _ in range(ROUNDS):
+            for name, product in products.items():
+                start = time.perf_counter()
+                [product(x, w) for w in weights]
+                times[name] = min(times[name], time.perf_counter() - start)
+        result.seconds[rows] = times
+        best = min(times.values())
+        live = [n for n in live if times[n] <= PRUNE_FACTOR * best]
+    return result
+
+
+def _pass_weights(layers: list[QuantizedLinear], rows: int) -> list:
+    """The weights one timed pass multiplies: all of them, or a slice of each's rows."""
+    macs = rows * sum(layer.out_features * layer.in_features for layer in layers)
+    if macs <= PASS_BUDGET:
+        return [layer.stored for layer in layers]
+    keep = max(16, int(layers[0].out_features * PASS_BUDGET / macs))
+    index = torch.arange(min(keep, layers[0].out_features), device=layers[0].stored.codes.device)
+    return [layer.stored.select_rows(index) for layer in layers]
+
+
+def quantized_groups(model: nn.Module) -> dict[str, list[QuantizedLinear]]:
+    groups: dict[str, list[QuantizedLinear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            groups[module.tune_key].append(module)
+    return dict(groups)
+
+
+def autotune(model: nn.Module, force: bool = False) -> list[GroupResult]:
+    """Give every quantized layer of ``model`` its plan, from the cache or measured now.
+
+    Returns the groups measured in this call (none when all came from the cache)."""
+    groups = quantized_groups(model)
+    if not groups or (os.environ.get("SPECSERVE_AUTOTUNE") == "0" and not force):
+        return []
+    cache, measured = _load_cache(), []
+    for key, layers in groups.items():
+        cached = None if force else cache.get(_cache_key(key))
+        if cached is None:
+            result = measure_group(key, layers)
+            measured.append(result)
+            cached = result.plan()
+            cache[_cache_key(key)] = cached
+        for layer in layers:
+            layer.set_plan([(int(rows), name) for rows, name in cached])
+    if measured:
+        _save_cache(cache)
+    return measured

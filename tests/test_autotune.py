@@ -1,0 +1,74 @@
+"""Autotune: measures every candidate, never picks a wrong one, caches per machine and shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.models import autotune as autotune_module
+from engine.models.autotune import ROW_BUCKETS, autotune, cpu_identity, measure_group
+from engine.models.products import candidates, product_by_name
+from engine.models.quantized_linear import QuantizedLinear
+from engine.models.weight_formats import read_stored
+from tests.quant_blocks import random_blocks
+
+
+def layers(count: int = 3, fmt: str = "Q4_1") -> list[QuantizedLinear]:
+    weights = [read_stored(fmt, random_blocks(fmt, 64, 96, i), 64) for i in range(count)]
+    return [QuantizedLinear(w) for w in weights]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("SPECSERVE_AUTOTUNE", raising=False)
+    return tmp_path
+
+
+def test_measures_every_candidate_at_every_bucket_and_picks_the_fastest():
+    result = measure_group("k", layers())
+    names = set(candidates(torch.device("cpu")))
+    assert set(result.seconds) == set(ROW_BUCKETS)
+    assert set(result.seconds[1]) == names  # pruning only starts after the first bucket
+    plan = result.plan()
+    assert [rows for rows, _ in plan[:-1]] == list(ROW_BUCKETS[:-1])
+    assert plan[-1][0] > 10**9  # the last winner serves every larger row count
+    for (_, name), bucket in zip(plan, ROW_BUCKETS, strict=True):
+        assert result.seconds[bucket][name] == min(result.seconds[bucket].values())
+
+
+def test_a_candidate_that_disagrees_with_the_reference_is_never_chosen(monkeypatch):
+    # Fault injection: one candidate returns a wrong (but fast) answer.
+    wrong = next(iter(candidates(torch.device("cpu"))))
+    real = product_by_name
+
+    def faulty(name):
+        if name == wrong:
+            return lambda x, w: torch.zeros(x.shape[0], w.shape[0])
+        return real(name)
+
+    monkeypatch.setattr(autotune_module, "product_by_name", faulty)
+    result = measure_group("k", layers())
+    assert wrong in result.rejected
+    assert all(name != wrong for _, name in result.plan())
+
+
+def test_plans_are_cached_per_machine_and_shape(cache_dir):
+    first = layers()
+    measured = autotune(torch.nn.ModuleList(first))
+    assert len(measured) == 1 and measured[0].num_layers == 3
+    cache = (cache_dir / "autotune" / "products.json").read_text()
+    assert cpu_identity() in cache and "64x96" in cache
+    again = layers()
+    assert autotune(torch.nn.ModuleList(again)) == []  # from the cache: nothing measured
+    assert again[0].plan == first[0].plan
+    other_shape = [QuantizedLinear(read_stored("Q8_0", random_blocks("Q8_0", 32, 64), 32))]
+    assert len(autotune(torch.nn.ModuleList(other_shape))) == 1
+
+
+def test_autotune_can_be_switched_off(cache_dir, monkeypatch):
+    monkeypatch.setenv("SPECSERVE_AUTOTUNE", "0")
+    model = torch.nn.ModuleList(layers(1))
+    before = model[0].plan
+    assert autotune(model) == [] and model[0].plan == before
+    assert not (cache_dir / "autotune").exists()

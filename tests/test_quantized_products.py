@@ -1,0 +1,101 @@
+"""Stored formats dequantize exactly as gguf-py does, and every product equals x @ dequant(W).T.
+
+Per stored format: our layout dequantizes bit-for-bit to gguf-py's float32 (what transformers
+loads), and each product (every kernel instruction set, dequant-then-BLAS, plain PyTorch)
+matches the float64 product within float32 rounding, for odd shapes and 1..33 rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+
+from engine.kernels.build import available_isas, load_kernels
+from engine.models.products import candidates, product_by_name
+from engine.models.quantized_linear import QuantizedLinear, StackedLinear
+from engine.models.weight_formats import FORMATS, cat_rows, dequantize_torch, read_stored
+from tests.quant_blocks import random_blocks
+
+# (rows, inputs): odd row counts, inputs that are block multiples but not vector multiples.
+SHAPES = {"Q4_K": (37, 512), "Q5_K": (19, 256), "Q6_K": (23, 768), "F16": (29, 72)}
+DEFAULT_SHAPE = (41, 96)
+
+
+def stored(fmt: str, seed: int = 0):
+    rows, cols = SHAPES.get(fmt, DEFAULT_SHAPE)
+    raw = random_blocks(fmt, rows, cols, seed)
+    reference = gguf_dequantize(raw, GGMLQuantizationType[fmt]).astype(np.float32)
+    return read_stored(fmt, raw, rows), torch.from_numpy(reference.reshape(rows, cols))
+
+
+def kernel_names() -> list[str]:
+    return [f"kernel-{isa}" for isa in available_isas()]
+
+
+def test_kernels_build_on_this_machine():
+    # CI has a compiler; a failure to build would silently slow everything down.
+    assert load_kernels()
+    assert "portable" in available_isas()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_layout_dequantizes_exactly_as_gguf(fmt):
+    w, reference = stored(fmt)
+    assert w.shape == tuple(reference.shape)
+    assert torch.equal(dequantize_torch(w), reference)
+    for isa in available_isas():
+        got = torch.ops.specserve.dequantize(w.codes, w.scales, w.mins, isa)
+        assert torch.equal(got, reference), isa
+
+
+def assert_product_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):
+    exact = x.double() @ weight.double().T
+    bound = x.abs().double() @ weight.abs().double().T  # float32 rounding scales with this
+    assert ((got.double() - exact).abs() <= 1e-6 * bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_product_matches_the_dequantized_product(fmt):
+    w, reference = stored(fmt, seed=1)
+    names = ["torch", "dequant-blas", *kernel_names()]
+    g = torch.Generator().manual_seed(2)
+    for rows in [1, 2, 3, 4, 5, 7, 8, 16, 33]:
+        x = torch.randn(rows, w.shape[1], generator=g)
+        for name in names:
+            assert_product_close(product_by_name(name)(x, w), x, reference)
+
+
+def test_quantized_linear_uses_its_plan_by_row_count():
+    w, reference = stored("Q4_1")
+    bias = torch.randn(w.shape[0])
+    layer = QuantizedLinear(w, bias)
+    fallback = "torch"
+    fast = next(iter(candidates(torch.device("cpu"))))
+    layer.set_plan([(2, fast), (1 << 62, fallback)])
+    assert layer.product_for(1) == fast and layer.product_for(2) == fast
+    assert layer.product_for(3) == fallback and layer.product_for(500) == fallback
+    for rows in (1, 3):
+        x = torch.randn(rows, w.shape[1])
+        assert_product_close(layer(x) - bias, x, reference)
+    assert layer.nbytes == w.nbytes
+    assert torch.equal(layer.dense_weight(), reference)
+
+
+def test_fused_rows_stack_same_layouts_and_split_different_ones():
+    a, ra = stored("Q4_1", seed=3)
+    b, rb = stored("Q4_1", seed=4)
+    fused = cat_rows([a, b])
+    assert torch.equal(dequantize_torch(fused), torch.cat([ra, rb]))
+    c, rc = stored("Q8_0", seed=5)
+    assert cat_rows([a, c]) is None  # 4-bit and 8-bit codes cannot share one weight
+    stacked = StackedLinear([QuantizedLinear(a), QuantizedLinear(c)])
+    x = torch.randn(3, a.shape[1])
+    assert_product_close(stacked(x), x, torch.cat([ra, rc]))
+
+
+def test_unknown_format_is_refused_by_name():
+    with pytest.raises(ValueError, match="IQ2_XXS"):
+        read_stored("IQ2_XXS", np.zeros((1, 66), np.uint8), 1)
