@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_llamacpp import LlamaCppFigures, find_gguf, llamacpp_baseline
+from engine.bench_llamacpp import LlamaCppFigures, llamacpp_baseline
 from engine.llm import LLM
+from engine.models.gguf_weights import find_gguf
 from engine.sampling import SamplingParams
 
 TOPICS = [
@@ -128,10 +129,11 @@ def hf_ttft(hf, prompt: list[int], repeats: int = 3) -> float:
 
 
 def hf_baseline(llm: LLM, prompts, max_tokens: int, prompt_len: int) -> list[float]:
-    """The same three figures for transformers on the same weights and prompts."""
-    from transformers import AutoModelForCausalLM
+    """The same three figures for transformers on the same weights (a GGUF dequantized to
+    float32) and prompts."""
+    from engine.models.loader import load_hf_model
 
-    hf = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).eval()
+    hf = load_hf_model(llm.model_dir, torch.float32)
     pad = llm.tokenizer.pad_token_id or 0
     return [
         hf_decode(hf, prompts[:1], max_tokens, pad),
@@ -156,7 +158,7 @@ def llamacpp_figures(config, llm: LLM, prompts, max_tokens, prompt_len, options)
         return LlamaCppFigures(notes=["llama.cpp skipped: --no-llamacpp"])
     gguf = Path(options.gguf) if options.gguf else None
     if gguf is None and str(config.model).endswith(".gguf"):
-        gguf = Path(config.model)  # the engine itself was converted from this file
+        gguf = Path(config.model)  # the file the engine itself was given
     gguf = gguf or find_gguf(llm.model_dir)
     long_ids = long_prompt(llm, prompt_len)
     threads = torch.get_num_threads()

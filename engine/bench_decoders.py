@@ -365,12 +365,13 @@ def _result(runs: list[_Run]) -> DecoderResult:
 def hf_methods(model_dir: Path, k: int, num_layers: int):
     """transformers' target (float32, our weights) and its generate() settings by row name."""
     import transformers
-    from transformers import AutoModelForCausalLM
+
+    from engine.models.loader import load_hf_model
 
     transformers.logging.set_verbosity_error()  # the truncated copy's unused-weights notice
 
     def load(dtype, **config):
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **config).eval()
+        return load_hf_model(model_dir, dtype, **config)
 
     truncated = max(1, min(TRUNCATED_LAYERS, num_layers - 1))
     copy, short = load(torch.bfloat16), load(torch.bfloat16, num_hidden_layers=truncated)

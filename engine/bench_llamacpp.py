@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.models.gguf_weights import find_gguf  # noqa: F401  (re-exported: the dir's GGUF)
+
 INSTALL_NOTE = "llama.cpp skipped: pip install 'specserve[bench]'"
 NO_GGUF_NOTE = "llama.cpp skipped: no single *.gguf in the model directory (pass --gguf PATH)"
 # The high-level API owns one sequence; N sequential streams would not be batched decoding.
@@ -31,12 +33,6 @@ class LlamaCppFigures:
 
     def rows(self) -> list[float | None]:
         return [self.decode_1, self.decode_n, self.ttft_s]
-
-
-def find_gguf(model_dir: str | Path) -> Path | None:
-    """The model directory's GGUF file (shipped next to config.json), if it holds exactly one."""
-    found = sorted(Path(model_dir).glob("*.gguf"))
-    return found[0] if len(found) == 1 else None
 
 
 def llama_class():

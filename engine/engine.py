@@ -18,6 +18,7 @@ from engine.sampling import SampledToken, Sampler, SamplingParams, make_generato
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculation import Speculator
+from engine.thread_governor import ThreadGovernor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,8 +43,15 @@ class Engine:
     continuations.
     """
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, eos_token_ids: Iterable[int]):
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: LlamaModel,
+        eos_token_ids: Iterable[int],
+        threads: ThreadGovernor | None = None,
+    ):
         self.config = config
+        self.threads = threads  # None: torch's thread count is left as it is
         self.model = model
         arch = model.arch
         self.max_model_len = min(
@@ -218,6 +226,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; returns the requests that got new tokens or had a
         continuation aborted since the last step (finished ones are then removed)."""
+        if self.threads is not None:
+            self.threads.tick()
         spec = self.speculator
         lookahead = spec.plan(self.scheduler.running) if spec else {}
         scheduled = self.scheduler.schedule(lookahead).scheduled
@@ -339,9 +349,9 @@ def create_engine(config: EngineConfig):
     from engine.models.loader import load_model
     from engine.models.pull import resolve_model
 
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = ThreadGovernor(config.num_threads)  # before loading: autotune runs with these
     model_dir = resolve_model(config.model)
     # The rope table covers the model's full context; max_model_len only caps requests.
     model, hf_config = load_model(model_dir, DTYPES[config.dtype], config.device, None)
-    return Engine(config, model, eos_token_ids_of(model_dir, hf_config)), model_dir
+    engine = Engine(config, model, eos_token_ids_of(model_dir, hf_config), threads)
+    return engine, model_dir

@@ -32,12 +32,13 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 def add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "pull",
-        help="download/convert a model into the local cache and print its directory",
+        help="download/prepare a model in the local cache and print its directory",
         description=(
-            "Make a model available locally and print its Hugging Face directory. NAME is the "
+            "Make a model available locally and print its model directory. NAME is the "
             "embedded default alias smollm2-135m-instruct (the default), a local HF directory, "
-            "a .gguf file (converted once into the cache) or a hub id org/name. The cache is "
-            "$SPECSERVE_CACHE_DIR or ~/.cache/specserve. Progress goes to stderr."
+            "a .gguf file (kept as the weights of a directory prepared once in the cache) or a "
+            "hub id org/name. The cache is $SPECSERVE_CACHE_DIR or ~/.cache/specserve. "
+            "Progress goes to stderr."
         ),
     )
     p.add_argument("name", nargs="?", metavar="NAME")

@@ -26,6 +26,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (k)")
     p.add_argument(
+        "--threads",
+        type=int,
+        help="threads of the products (default: every core while the cores are free, one "
+        "while another process keeps them busy)",
+    )
+    p.add_argument(
         "--draft-model",
         help='the draft decoder\'s model: "self" (a cheaper copy of the target, the default) '
         "or a model sharing the target's tokenizer (name, directory, .gguf or hub id)",
@@ -38,6 +44,8 @@ def engine_config_from_args(args: argparse.Namespace):
 
     config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
     overrides: dict = {"model": args.model} if args.model else {}
+    if getattr(args, "threads", None):
+        overrides["num_threads"] = args.threads
     decoder = {"method": args.decoder, "num_speculative_tokens": args.num_speculative_tokens}
     if args.extra_decoders:
         decoder["extra_methods"] = [m.strip() for m in args.extra_decoders.split(",") if m.strip()]

@@ -18,12 +18,12 @@ from engine.bench_llamacpp import (
     INSTALL_NOTE,
     NO_GGUF_NOTE,
     LlamaCppFigures,
-    find_gguf,
     greedy_decode,
     llamacpp_baseline,
     load_llama,
     prompt_ttft,
 )
+from engine.models.gguf_weights import find_gguf
 
 THREADS = 1
 
@@ -85,7 +85,8 @@ def test_find_gguf_wants_exactly_one_file(tmp_path):
     (tmp_path / "a.gguf").touch()
     assert find_gguf(tmp_path) == tmp_path / "a.gguf"
     (tmp_path / "b.gguf").touch()
-    assert find_gguf(tmp_path) is None
+    with pytest.raises(ValueError, match="several .gguf files"):
+        find_gguf(tmp_path)  # the engine's loader refuses such a directory too
 
 
 def test_table_shows_dashes_and_the_note_when_llama_cpp_is_missing(capsys):

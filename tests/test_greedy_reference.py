@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine import SamplingParams
+from engine.models.loader import load_hf_model
 
 PROMPTS = [
     "Write a short story about a robot who learns to paint.",
@@ -22,7 +22,7 @@ def test_llm_greedy_matches_transformers_generate(smollm2_llm):
     conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
     # All three in one batch: batching must not change greedy tokens either.
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
-    hf = AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float32).eval()
+    hf = load_hf_model(llm.model_dir, torch.float32)
     for conversation, out in zip(conversations, outs, strict=True):
         prompt = llm.render_chat(conversation)
         with torch.inference_mode():

@@ -1,14 +1,14 @@
-"""Our Llama-family model against transformers' forward on the same weights."""
+"""Our Llama-family model against transformers' forward on the same weights (for a GGUF model
+directory, transformers' float32 dequantization of it: ``load_hf_model``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.attention import SequenceSlice, build_attention_metadata
 from engine.kv_cache import KVCache
-from engine.models.loader import load_model
+from engine.models.loader import load_hf_model, load_model
 from tests.tiny_models import TINY_VOCAB, save_tiny_model
 
 
@@ -32,7 +32,7 @@ def chunked_forward(model, token_ids: torch.Tensor, chunks: list[int]) -> torch.
 
 
 def reference_logits(model_dir, token_ids: torch.Tensor) -> torch.Tensor:
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = load_hf_model(model_dir, torch.float32)
     with torch.inference_mode():
         return hf(token_ids[None]).logits[0]
 
@@ -84,7 +84,7 @@ def test_tiny_model_logits_match_transformers(tmp_path, model_type, overrides):
 def test_layer_subset_and_hidden_states(tmp_path):
     model_dir = save_tiny_model(tmp_path / "m")
     ours, _ = load_model(model_dir, torch.float32, "cpu", None)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = load_hf_model(model_dir, torch.float32)
     token_ids = torch.arange(3, 13)
     a = ours.arch
     cache = KVCache(a.num_layers, 8, 16, a.num_kv_heads, a.head_dim, torch.float32, "cpu")

