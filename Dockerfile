@@ -18,6 +18,11 @@ WORKDIR /app
 
 RUN pip install "${TORCH_SPEC}" ${TORCH_INDEX_URL:+--index-url "${TORCH_INDEX_URL}"}
 
+# A C++ compiler builds the CPU kernels (engine/kernels) once, below; without one the engine
+# falls back to slower pure-PyTorch products.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # Runtime dependencies from pyproject.toml (this layer is rebuilt only when pyproject.toml changes;
 # torch is already satisfied by the pinned install above).
 COPY pyproject.toml ./
@@ -44,6 +49,11 @@ COPY engine ./engine
 COPY server ./server
 COPY configs ./configs
 RUN pip install --no-deps .
+
+# Compile the kernels into the model cache now, so the first start does not wait for them.
+USER specserve
+RUN python -m engine.kernels.build
+USER root
 
 COPY docker/entrypoint.sh /usr/local/bin/specserve-entrypoint
 RUN chmod 755 /usr/local/bin/specserve-entrypoint

@@ -30,6 +30,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install -e '.[dev]'
+	$(BIN)/python -m engine.kernels.build
 	touch $@
 
 install: $(STAMP)

@@ -1,9 +1,13 @@
 """Which product is fastest for the model's projection shapes on this machine.
 
-Compares, for each weight shape of the model and a few row counts, ``F.linear`` against the
-``[out, in]`` weight (torch's default BLAS), ``x @ W_t`` against a transposed copy, and
-oneDNN with the weight prepacked once (what ``engine.models.linear.Linear`` uses). Weights
-are cycled through enough copies to defeat the caches, as in a real decode step.
+For a model with stored (GGUF) weights: the autotuner's own measurement
+(``engine.models.autotune``) of every candidate product, for every group of same-shaped
+layers and every row bucket, as GB/s of stored weight bytes, and the winner the engine runs.
+
+For dense float32 weights (``--dense``): ``F.linear`` against the ``[out, in]`` weight
+(torch's default BLAS), ``x @ W_t`` against a transposed copy, and oneDNN with the weight
+prepacked once (what ``engine.models.linear.Linear`` uses). Weights are cycled through enough
+copies to defeat the caches, as in a real decode step.
 """
 
 from __future__ import annotations
@@ -43,6 +47,40 @@ def bench_shape(out_features: int, in_features: int, rows: int, copies: int) -> 
     nbytes = out_features * in_features * 4 * copies
     with torch.inference_mode():
         return {name: nbytes / _seconds(fn, 5) / 1e9 for name, fn in methods.items()}
+
+
+def run_stored_linear_bench(config) -> None:
+    """The autotuner's measurement of every candidate on the model's stored weights."""
+    from engine.models.autotune import cpu_identity, measure_group, quantized_groups
+    from engine.models.loader import load_model
+    from engine.models.pull import resolve_model
+    from engine.thread_governor import ThreadGovernor
+
+    ThreadGovernor(config.num_threads)  # the thread count the engine would start with
+    model, _ = load_model(resolve_model(config.model), torch.float32, "cpu", None)
+    groups = quantized_groups(model)
+    print(f"{cpu_identity()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if not groups:
+        print("the model has no stored (quantized or half) weights; try --dense")
+        return
+    print("GB/s of stored weight bytes per product (higher is better); * = the engine's choice\n")
+    for key, layers in groups.items():
+        result = measure_group(key, layers)
+        names = sorted({n for t in result.seconds.values() for n in t})
+        print(f"{key}: {result.num_layers} layers, {result.weight_bytes / 1e6:.1f} MB")
+        for name, why in result.rejected.items():
+            print(f"  rejected {name}: {why}")
+        print("| rows | " + " | ".join(names) + " |\n|---|" + "---|" * len(names))
+        plan = dict(result.plan()[:-1])
+        for rows, times in result.seconds.items():
+            winner = plan.get(rows, result.plan()[-1][1])
+            cells = [
+                "-" if n not in times else f"{result.weight_bytes / times[n] / 1e9:.1f}"
+                + ("*" if n == winner else "")
+                for n in names
+            ]
+            print(f"| {rows} | " + " | ".join(cells) + " |")
+        print()
 
 
 def run_linear_bench(

@@ -24,9 +24,12 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_linear(args: argparse.Namespace) -> int:
-    from engine.bench_linear import run_linear_bench
+    from engine.bench_linear import run_linear_bench, run_stored_linear_bench
 
-    run_linear_bench()
+    if args.dense:
+        run_linear_bench()
+    else:
+        run_stored_linear_bench(engine_config_from_args(args))
     return 0
 
 
@@ -121,7 +124,16 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_decoder_bench_arguments(offline)
     offline.set_defaults(func=_cmd_bench_offline)
     linear = which.add_parser(
-        "linear", help="GB/s of F.linear vs transposed matmul vs oneDNN for SmolLM2's shapes"
+        "linear",
+        help="every candidate product (kernels per instruction set, dequantize+BLAS, PyTorch) "
+        "on the model's stored weights per row count, and the one autotune picks",
+    )
+    add_model_arguments(linear)
+    linear.add_argument(
+        "--dense",
+        action="store_true",
+        help="instead: F.linear vs transposed matmul vs oneDNN on float32 weights of "
+        "SmolLM2's shapes",
     )
     linear.set_defaults(func=_cmd_bench_linear)
     decoders = which.add_parser(

@@ -290,6 +290,45 @@ AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int
   }
 }
 
+
+// Many rows of x (batches, prefill chunks): dequantize four weight rows into an L1 buffer, then
+// a 4x4 register tile (four rows of x by four weight rows) makes each loaded vector feed four
+// FMAs, so the product runs at FMA rather than load throughput.
+template <int MR>
+AVX512 void tile_avx512(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 w0 = _mm512_loadu_ps(w + k), w1 = _mm512_loadu_ps(w + K + k);
+    const __m512 w2 = _mm512_loadu_ps(w + 2 * K + k), w3 = _mm512_loadu_ps(w + 3 * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) y[r * ldy + j] = _mm512_reduce_add_ps(acc[r][j]);
+}
+
+// Weight rows n0 .. n0 + 3 against all M rows of x (K a multiple of 16).
+AVX512 void tiled_rows_avx512(const WeightRows& w, int64_t n0, const float* x, int64_t M, float* y,
+                              int64_t ldy, float* buf) {
+  const int64_t K = w.K;
+  for (int j = 0; j < 4; ++j) dequant_row_avx512(w, n0 + j, buf + j * K);
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_avx512<4>(x + m * K, K, buf, y + m * ldy + n0, ldy);
+  switch (M - m) {
+    case 3: tile_avx512<3>(x + m * K, K, buf, y + m * ldy + n0, ldy); break;
+    case 2: tile_avx512<2>(x + m * K, K, buf, y + m * ldy + n0, ldy); break;
+    case 1: tile_avx512<1>(x + m * K, K, buf, y + m * ldy + n0, ldy); break;
+    default: break;
+  }
+}
+
 // ------------------------------------------------------------------------ AVX2 + FMA + F16C
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -465,21 +504,23 @@ using DequantRow = void (*)(const WeightRows&, int64_t, float*);
 using DotRows = void (*)(const float*, int64_t, int64_t, const float*, float*, int64_t);
 // All rows of x against weight row n without a dequantized buffer (integer codes only).
 using FusedRow = void (*)(const WeightRows&, int64_t, const float*, int64_t, float*, int64_t, float*);
+using TiledRows = FusedRow;
 
 struct Isa {
   const char* name;
   DequantRow dequant;
   DotRows dot;
   FusedRow fused;  // nullptr: dequantize the row, then dot
+  TiledRows tiled;  // nullptr: none; else four weight rows at a time for many rows of x
 };
 
 Isa isa_by_name(const std::string& name) {
 #if defined(__x86_64__)
-  if (name == "avx512") return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512};
-  if (name == "avx2") return {"avx2", dequant_row_avx2, dot_rows_avx2, fused_row_avx2};
+  if (name == "avx512") return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, tiled_rows_avx512};
+  if (name == "avx2") return {"avx2", dequant_row_avx2, dot_rows_avx2, fused_row_avx2, nullptr};
 #endif
   TORCH_CHECK(name == "portable", "unknown or unavailable instruction set ", name);
-  return {"portable", dequant_row_portable, dot_rows_portable, nullptr};
+  return {"portable", dequant_row_portable, dot_rows_portable, nullptr, nullptr};
 }
 
 std::vector<std::string> available_isas() {
@@ -534,6 +575,7 @@ WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const 
 
 // Rows of W per parallel task: enough to amortise the task, few enough to balance two cores.
 constexpr int64_t kRowGrain = 16;
+constexpr int64_t kTiledMinRows = 5;
 
 at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& mins, c10::string_view isa_name) {
@@ -549,15 +591,26 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool fused = isa.fused && (w.kind == CodeKind::U4 || w.kind == CodeKind::I8);
-  at::parallel_for(0, N, kRowGrain, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(K);  // one dequantized weight row (or the row's scales), in L1
-    for (int64_t n = begin; n < end; ++n) {
-      if (fused) {
-        isa.fused(w, n, xp, M, yp + n, N, row.data());
+  // From this many rows of x on, four weight rows share each loaded x vector.
+  const bool tiled = isa.tiled && M >= kTiledMinRows && K % 16 == 0;
+  const int64_t step = tiled ? 4 : 1;
+  at::parallel_for(0, (N + step - 1) / step, std::max<int64_t>(kRowGrain / step, 1),
+                   [&](int64_t begin, int64_t end) {
+    std::vector<float> row(4 * K);  // dequantized weight rows (or a row's scales), in L1
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * step;
+      if (tiled && n + 4 <= N) {
+        isa.tiled(w, n, xp, M, yp, N, row.data());
         continue;
       }
-      isa.dequant(w, n, row.data());
-      isa.dot(xp, M, K, row.data(), yp + n, N);
+      for (int64_t r = n; r < std::min(n + step, N); ++r) {
+        if (fused) {
+          isa.fused(w, r, xp, M, yp + r, N, row.data());
+          continue;
+        }
+        isa.dequant(w, r, row.data());
+        isa.dot(xp, M, K, row.data(), yp + r, N);
+      }
     }
   });
   return y;
