@@ -168,15 +168,24 @@ def paged_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     attn: AttentionMetadata,
     write_cache: bool = True,
+    cpu_kernel: bool = False,
 ) -> torch.Tensor:
     """Write k/v [T, KVH, D] into the cache (unless the caller already has) and attend
-    q [T, H, D]; returns [T, H, D]."""
+    q [T, H, D]; returns [T, H, D]. ``cpu_kernel``: short query runs read the cache in place
+    with the C++ kernel (float32 on the CPU, engine/kernels/paged_attention.cpp)."""
     k_cache, v_cache = kv_cache
     if write_cache:
         k_cache.index_copy_(0, attn.slot_mapping, k)
         v_cache.index_copy_(0, attn.slot_mapping, v)
     out = None if attn.groups[0].whole_batch else q.new_empty(q.shape)
     for g in attn.groups:
+        if cpu_kernel and g.kv_slots is not None and g.query_index.shape[1] <= SHORT_QUERY_LIMIT:
+            if out is None:
+                out = q.new_empty(q.shape)
+            torch.ops.specserve.cached_attention(
+                q, k_cache, v_cache, g.query_index, g.kv_slots, g.mask, g.valid, attn.scale, out
+            )
+            continue
         qg = _group_rows(q, g)
         if g.kv_slots is None:  # a fresh prefill: its keys are exactly this step's
             kg, vg = _group_rows(k, g), _group_rows(v, g)

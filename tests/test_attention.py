@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from engine.attention import SequenceSlice, build_attention_metadata, paged_attention
+from engine.kernels.build import load_kernels
 
 H, KVH, D, BS = 4, 2, 8, 4
 
@@ -21,7 +23,10 @@ def dense_reference(q, k, v, num_cached):
     return out.transpose(0, 1)
 
 
-def test_mixed_batch_matches_dense_attention():
+@pytest.mark.parametrize("cpu_kernel", [False, True])
+def test_mixed_batch_matches_dense_attention(cpu_kernel):
+    if cpu_kernel and not load_kernels():
+        pytest.skip("no C++ kernels on this machine")
     g = torch.Generator().manual_seed(0)
     # (cached, new): decode, short verify run, fresh prefill, long chunk over a cached prefix.
     shapes = [(9, 1), (5, 4), (0, 11), (6, 40), (0, 1)]
@@ -45,7 +50,9 @@ def test_mixed_batch_matches_dense_attention():
     meta = build_attention_metadata(slices, BS, D, "cpu")
     new_k = torch.cat([k[s.num_cached :] for k, s in zip(full_k, slices, strict=True)])
     new_v = torch.cat([v[s.num_cached :] for v, s in zip(full_v, slices, strict=True)])
-    out = paged_attention(torch.cat(queries), new_k, new_v, (k_cache, v_cache), meta)
+    out = paged_attention(
+        torch.cat(queries), new_k, new_v, (k_cache, v_cache), meta, cpu_kernel=cpu_kernel
+    )
     row = 0
     for q, k, v, s in zip(queries, full_k, full_v, slices, strict=True):
         expected = dense_reference(q, k, v, s.num_cached)

@@ -1,7 +1,8 @@
 """Build (once per machine) and load the C++ product kernels as ``torch.ops.specserve``.
 
 The kernels are C++ files registered with ``torch.library``: the weight products
-(``dequant_matmul.cpp``) and the fused small operations of a layer (``layer_ops.cpp``).
+(``dequant_matmul.cpp``), the fused small operations of a layer (``layer_ops.cpp``) and
+attention of short query runs over the paged cache (``paged_attention.cpp``).
 They are compiled with the system's C++ compiler against the installed torch's headers
 into one library in the specserve cache
 (keyed by the source, torch version and machine architecture), so the first load on a
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("dequant_matmul.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(n) for n in ("dequant_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

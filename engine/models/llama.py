@@ -161,7 +161,7 @@ class DecoderLayer(nn.Module):
                 qkv, torch.view_as_real(rope), attn.slot_mapping, *kv_cache,
                 self.arch.num_heads, self.arch.num_kv_heads,
             )  # fmt: skip
-            out = paged_attention(q, k, v, kv_cache, attn, write_cache=False)
+            out = paged_attention(q, k, v, kv_cache, attn, write_cache=False, cpu_kernel=True)
             delta = self.o(out.reshape(-1, self.q_size))
         if not mlp:
             return hidden if delta is None else hidden.add_(delta)
