@@ -209,13 +209,17 @@ AVX512 RowScales row_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, 
 }
 
 // One 4-bit block: dequantize 32 weights in registers, accumulate into acc[r][2u], acc[r][2u+1].
+// The block's 16 possible weights (code * d + m, code 0..15) are computed once into a vector,
+// and each code picks its weight with a permute, which reads only the low four bits of each
+// lane: no masking and no int-to-float conversion per weight.
 template <int MR, int A>
 AVX512 __attribute__((always_inline)) inline void u4_block_avx512(
     const uint8_t* q, RowScales s, int64_t b, const float* x, int64_t K, __m512 (&acc)[MR][A], int u) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(s.d[b]), _mm512_set1_ps(s.m[b]));
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
-  const __m512 d = _mm512_set1_ps(s.d[b]), m = _mm512_set1_ps(s.m[b]);
-  const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), d, m);
-  const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), d, m);
+  const __m512 lo = _mm512_permutexvar_ps(v, table);
+  const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
   for (int r = 0; r < MR; ++r) {
     acc[r][2 * u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + 32 * b), lo, acc[r][2 * u]);
     acc[r][2 * u + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + 32 * b + 16), hi, acc[r][2 * u + 1]);
