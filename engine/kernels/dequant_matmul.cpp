@@ -527,11 +527,17 @@ Isa isa_by_name(const std::string& name) {
   return {"portable", dequant_row_portable, dot_rows_portable, nullptr, nullptr};
 }
 
+// Instruction sets usable here, fastest first; "avx512-tiled" is the AVX-512 product with the
+// 4x4 register tile for every row count (plain "avx512" never tiles), so autotune can measure
+// where the tile starts to pay.
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+  if (__builtin_cpu_supports("avx512f")) {
+    out.push_back("avx512");
+    out.push_back("avx512-tiled");
+  }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     out.push_back("avx2");
 #endif
@@ -542,6 +548,15 @@ std::vector<std::string> available_isas() {
 bool isa_supported(const std::string& name) {
   const auto all = available_isas();
   return std::find(all.begin(), all.end(), name) != all.end();
+}
+
+// The instruction set of a name, and whether the name asks for the tiled product.
+Isa checked_isa(c10::string_view isa_name, bool* tiled) {
+  std::string name(isa_name);
+  TORCH_CHECK(isa_supported(name), "instruction set ", name, " is not available on this CPU");
+  const std::string suffix = "-tiled";
+  *tiled = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return isa_by_name(*tiled ? name.substr(0, name.size() - suffix.size()) : name);
 }
 
 WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
@@ -579,24 +594,22 @@ WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const 
 
 // Rows of W per parallel task: enough to amortise the task, few enough to balance two cores.
 constexpr int64_t kRowGrain = 16;
-constexpr int64_t kTiledMinRows = 5;
 
 at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                           const at::Tensor& mins, c10::string_view isa_name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
   const WeightRows w = weight_rows(codes, scales, mins);
   TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " features, the weight ", w.K);
-  const std::string name(isa_name);
-  TORCH_CHECK(isa_supported(name), "instruction set ", name, " is not available on this CPU");
-  const Isa isa = isa_by_name(name);
+  bool tiled_variant = false;
+  const Isa isa = checked_isa(isa_name, &tiled_variant);
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), N = codes.size(0), K = w.K;
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const bool fused = isa.fused && (w.kind == CodeKind::U4 || w.kind == CodeKind::I8);
-  // From this many rows of x on, four weight rows share each loaded x vector.
-  const bool tiled = isa.tiled && M >= kTiledMinRows && K % 16 == 0;
+  // Four weight rows share each loaded x vector (the tiled variant, where K allows).
+  const bool tiled = tiled_variant && isa.tiled && K % 16 == 0;
   const int64_t step = tiled ? 4 : 1;
   at::parallel_for(0, (N + step - 1) / step, std::max<int64_t>(kRowGrain / step, 1),
                    [&](int64_t begin, int64_t end) {
@@ -623,9 +636,8 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                       c10::string_view isa_name) {
   const WeightRows w = weight_rows(codes, scales, mins);
-  const std::string name(isa_name);
-  TORCH_CHECK(isa_supported(name), "instruction set ", name, " is not available on this CPU");
-  const Isa isa = isa_by_name(name);
+  bool tiled_variant = false;
+  const Isa isa = checked_isa(isa_name, &tiled_variant);
   at::Tensor out = at::empty({codes.size(0), w.K}, codes.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, codes.size(0), kRowGrain, [&](int64_t begin, int64_t end) {

@@ -54,6 +54,8 @@ class StoredWeight:
         return f"{self.codes.dtype}-{self.scales.dtype}-{mins}".replace("torch.", "")
 
     def to(self, device: torch.device | str) -> StoredWeight:
+        if self.codes.device == torch.device(device):
+            return self
         return StoredWeight(
             self.format, self.codes.to(device), self.scales.to(device), self.mins.to(device)
         )
@@ -69,6 +71,8 @@ def cat_rows(parts: list[StoredWeight]) -> StoredWeight | None:
     """Stack weights along the output dimension (fused q/k/v, gate/up); None if layouts differ."""
     if len({p.layout for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
         return None
+    if len(parts) == 1:
+        return parts[0]  # no copy: a tied LM head shares the embedding's storage
 
     def cat(ts):
         return torch.cat(ts) if ts[0].numel() else ts[0]
