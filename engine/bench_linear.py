@@ -63,7 +63,10 @@ def run_stored_linear_bench(config) -> None:
     if not groups:
         print("the model has no stored (quantized or half) weights; try --dense")
         return
-    print("GB/s of stored weight bytes per product (higher is better); * = the engine's choice\n")
+    print(
+        "GB/s of stored weight bytes per product (higher is better; with many rows a pass "
+        "multiplies a slice of each weight); * = the engine's choice\n"
+    )
     for key, layers in groups.items():
         result = measure_group(key, layers)
         names = sorted({n for t in result.seconds.values() for n in t})
@@ -75,7 +78,7 @@ def run_stored_linear_bench(config) -> None:
         for rows, times in result.seconds.items():
             winner = plan.get(rows, result.plan()[-1][1])
             cells = [
-                "-" if n not in times else f"{result.weight_bytes / times[n] / 1e9:.1f}"
+                "-" if n not in times else f"{result.pass_bytes[rows] / times[n] / 1e9:.1f}"
                 + ("*" if n == winner else "")
                 for n in names
             ]

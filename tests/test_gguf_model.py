@@ -76,7 +76,8 @@ def write_pair(tmp_path, model_type: str):
         writer.add_tensor(name, blocks, raw_dtype=GGMLQuantizationType[fmt])
         exact = torch.from_numpy(dequantize(blocks, GGMLQuantizationType[fmt]).copy()).float()
         if kind in heads and model_type == "llama":  # undo the permutation for safetensors
-            exact = exact[torch.argsort(interleave_rope_rows(torch.arange(len(exact)), heads[kind]))]
+            order = interleave_rope_rows(torch.arange(len(exact)), heads[kind])
+            exact = exact[torch.argsort(order)]
         reference[hf] = exact.reshape(weight.shape)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

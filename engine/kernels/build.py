@@ -28,7 +28,10 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(n) for n in ("dequant_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("dequant_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")
+]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 

@@ -46,6 +46,8 @@ class GroupResult:
     num_layers: int
     weight_bytes: int
     seconds: dict[int, dict[str, float]] = field(default_factory=dict)
+    # Stored bytes one timed pass multiplied, per bucket (a slice of the weights for many rows).
+    pass_bytes: dict[int, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
 
     def plan(self) -> list[tuple[int, str]]:
@@ -119,6 +121,7 @@ def measure_group(key: str, layers: list[QuantizedLinear]) -> GroupResult:
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, layers[0].in_features, device=device)
         weights = _pass_weights(layers, rows)
+        result.pass_bytes[rows] = sum(w.nbytes for w in weights)
         products = {name: product_by_name(name) for name in live}
         for product in products.values():
             [product(x, w) for w in weights]  # warm-up
