@@ -28,9 +28,7 @@ from engine.models.quantized_linear import QuantizedLinear
 from engine.models.weight_formats import dequantize_torch
 
 # Row counts measured: decode (1), verification and small batches (2-32), prefill chunks.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 128)
-# A candidate this many times slower than the best is not measured at larger row counts.
-PRUNE_FACTOR = 3.0
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 128, 512)
 # Rounds over the candidates (interleaved, so a burst of load elsewhere hits all of them).
 ROUNDS = 4
 # Multiply-adds per timed pass: above this, a pass uses a slice of each weight's rows (many
@@ -131,9 +129,9 @@ def measure_group(key: str, layers: list[QuantizedLinear]) -> GroupResult:
                 start = time.perf_counter()
                 [product(x, w) for w in weights]
                 times[name] = min(times[name], time.perf_counter() - start)
+        # Every candidate is measured at every bucket: the one far behind with one row
+        # (dequantize-then-BLAS) is the one that wins with hundreds.
         result.seconds[rows] = times
-        best = min(times.values())
-        live = [n for n in live if times[n] <= PRUNE_FACTOR * best]
     return result
 
 
