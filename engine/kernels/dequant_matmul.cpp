@@ -280,16 +280,28 @@ AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   const int64_t K = w.K, G = w.groups;
   const bool u4 = w.kind == CodeKind::U4;
+  // Up to eight rows share one in-register dequantization (32 vector registers hold eight
+  // rows' accumulators): a verification pass of k + 1 <= 8 tokens dequantizes each block once.
   int64_t m = 0;
-  for (; m + 4 <= M; m += 4)
-    u4 ? fused_u4_avx512<4, 1>(q, s, G, x + m * K, K, y + m * ldy, ldy)
-       : fused_i8_avx512<4, 1>(q, s, G, x + m * K, K, y + m * ldy, ldy);
+  for (; m + 8 <= M; m += 8)
+    u4 ? fused_u4_avx512<8, 1>(q, s, G, x + m * K, K, y + m * ldy, ldy)
+       : fused_i8_avx512<8, 1>(q, s, G, x + m * K, K, y + m * ldy, ldy);
   const float* xr = x + m * K;
   float* yr = y + m * ldy;
   switch (M - m) {
-    case 3: u4 ? fused_u4_avx512<3, 1>(q, s, G, xr, K, yr, ldy) : fused_i8_avx512<3, 2>(q, s, G, xr, K, yr, ldy); break;
-    case 2: u4 ? fused_u4_avx512<2, 1>(q, s, G, xr, K, yr, ldy) : fused_i8_avx512<2, 2>(q, s, G, xr, K, yr, ldy); break;
-    case 1: u4 ? fused_u4_avx512<1, 2>(q, s, G, xr, K, yr, ldy) : fused_i8_avx512<1, 4>(q, s, G, xr, K, yr, ldy); break;
+#define SPECSERVE_FUSED_CASE(R, U4U, I8U)                                  \
+  case R:                                                                  \
+    u4 ? fused_u4_avx512<R, U4U>(q, s, G, xr, K, yr, ldy)                  \
+       : fused_i8_avx512<R, I8U>(q, s, G, xr, K, yr, ldy);                 \
+    break;
+    SPECSERVE_FUSED_CASE(7, 1, 1)
+    SPECSERVE_FUSED_CASE(6, 1, 1)
+    SPECSERVE_FUSED_CASE(5, 1, 1)
+    SPECSERVE_FUSED_CASE(4, 1, 1)
+    SPECSERVE_FUSED_CASE(3, 1, 2)
+    SPECSERVE_FUSED_CASE(2, 1, 2)
+    SPECSERVE_FUSED_CASE(1, 2, 4)
+#undef SPECSERVE_FUSED_CASE
     default: break;
   }
 }

@@ -27,8 +27,9 @@ from engine.models.products import candidates, product_by_name
 from engine.models.quantized_linear import QuantizedLinear
 from engine.models.weight_formats import dequantize_torch
 
-# Row counts measured: decode (1), verification and small batches (2-32), prefill chunks.
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 128, 512)
+# Row counts measured: decode (1), verification of k + 1 tokens and small batches (2-32),
+# prefill chunks. 3 and 5 are the verification passes of k = 2 and k = 4.
+ROW_BUCKETS = (1, 2, 3, 4, 5, 8, 16, 32, 128, 512)
 # Rounds over the candidates (interleaved, so a burst of load elsewhere hits all of them).
 ROUNDS = 4
 # Multiply-adds per timed pass: above this, a pass uses a slice of each weight's rows (many
