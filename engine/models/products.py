@@ -2,8 +2,10 @@
 
 Every candidate computes ``x @ dequant(W).T`` in float32 for a ``StoredWeight``:
 
-- ``kernel-<isa>``: the C++ kernel (``engine/kernels``) with that instruction set; one pass
-  over the stored bytes serves every row of ``x`` (decode, verification, small batches);
+- ``kernel-<isa>``: the C++ kernel (``engine/kernels``) with that instruction set (avx512,
+  avx2; portable only where neither exists); one pass over the stored bytes serves every row
+  of ``x``, up to eight rows per in-register dequantization (decode, verification);
+- ``kernel-avx512-tiled``: the same with a 4x4 register tile over dequantized rows (batches);
 - ``dequant-blas``: dequantize the weight to float32 (the kernel's fastest dequantizer, in
   slices of rows), then torch's BLAS product: wins once enough rows share the weight (prefill);
 - ``torch``: dequantize in plain PyTorch, then ``F.linear``. It runs on any device and is the
