@@ -40,7 +40,8 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
         # Ctrl-C in a terminal reaches the whole process group; the server decides when we stop.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        engine, model_dir = create_engine(config)
+        parent = multiprocessing.parent_process()
+        engine, model_dir = create_engine(config, (parent.pid,) if parent else ())
     except Exception as e:
         traceback.print_exc()
         _send_quietly(conn, EngineStartFailed(f"{type(e).__name__}: {e}"))

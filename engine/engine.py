@@ -343,13 +343,15 @@ def _as_id_set(value) -> set[int]:
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
 
 
-def create_engine(config: EngineConfig):
+def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):
     """Resolve the configured model (pulling the embedded default if needed), load it and
     build the engine; returns (engine, model_dir)."""
     from engine.models.loader import load_model
     from engine.models.pull import resolve_model
 
-    threads = ThreadGovernor(config.num_threads)  # before loading: autotune runs with these
+    # Before loading: autotune runs with these threads. Companions' CPU time (the API server
+    # feeding an engine process) is ours, not a neighbour's.
+    threads = ThreadGovernor(config.num_threads, companion_pids)
     model_dir = resolve_model(config.model)
     # The rope table covers the model's full context; max_model_len only caps requests.
     model, hf_config = load_model(model_dir, DTYPES[config.dtype], config.device, None)

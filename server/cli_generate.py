@@ -7,6 +7,13 @@ import json
 import sys
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """--config, --model and the decoder choice, shared by generate, serve and bench."""
     p.add_argument(
@@ -27,7 +34,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (k)")
     p.add_argument(
         "--threads",
-        type=int,
+        type=_positive_int,
         help="threads of the products (default: every core while the cores are free, one "
         "while another process keeps them busy)",
     )

@@ -30,7 +30,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "x");
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
-  const float* w = weight.contiguous().data_ptr<float>();
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == at::kFloat, "weight must be [features]");
+  const at::Tensor weight_c = weight.contiguous();  // lives as long as the pointer below
+  const float* w = weight_c.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r)
     normalize_row(x.data_ptr<float>() + r * x.stride(0), w, float(eps), n, out.data_ptr<float>() + r * n);
   return out;
@@ -45,7 +47,9 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == delta.sizes(), "shape mismatch");
   const int64_t rows = residual.size(0), n = residual.size(1);
   at::Tensor out = at::empty({rows, n}, residual.options());
-  const float* w = weight.contiguous().data_ptr<float>();
+  TORCH_CHECK(weight.numel() == n && weight.scalar_type() == at::kFloat, "weight must be [features]");
+  const at::Tensor weight_c = weight.contiguous();
+  const float* w = weight_c.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) {
     float* h = residual.data_ptr<float>() + r * n;
     const float* d = delta.data_ptr<float>() + r * delta.stride(0);
@@ -89,7 +93,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_write_kv(
   at::Tensor q = at::empty({T, num_heads, D}, qkv.options());
   at::Tensor k = at::empty({T, num_kv_heads, D}, qkv.options());
   at::Tensor v = at::empty({T, num_kv_heads, D}, qkv.options());
-  const int64_t* slot = slots.contiguous().data_ptr<int64_t>();
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat,
+              "v_cache must match k_cache");
+  const at::Tensor slots_c = slots.contiguous();
+  const int64_t* slot = slots_c.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < k_cache.size(0), "cache slot ", slot[t], " out of range");
   const int64_t kv_row = num_kv_heads * D;
   for (int64_t t = 0; t < T; ++t) {
     const float* src = qkv.data_ptr<float>() + t * qkv.stride(0);

@@ -70,10 +70,21 @@ void cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const Geometry g{q.size(1), k_cache.size(1), q.size(2), kv_slots.size(1), query_index.size(1)};
   TORCH_CHECK(g.heads % g.kv_heads == 0 && k_cache.size(2) == g.dim, "head shapes");
   const int64_t members = query_index.size(0);
-  const bool* m = mask && mask->defined() ? mask->contiguous().data_ptr<bool>() : nullptr;
-  const bool* ok = valid && valid->defined() ? valid->contiguous().data_ptr<bool>() : nullptr;
+  // Contiguous copies live as long as the call (a pointer into a temporary would dangle).
+  const at::Tensor mask_c = mask && mask->defined() ? mask->contiguous() : at::Tensor();
+  const at::Tensor valid_c = valid && valid->defined() ? valid->contiguous() : at::Tensor();
+  const bool* m = mask_c.defined() ? mask_c.data_ptr<bool>() : nullptr;
+  const bool* ok = valid_c.defined() ? valid_c.data_ptr<bool>() : nullptr;
   const int64_t* rows = query_index.data_ptr<int64_t>();
   const int64_t* slots = kv_slots.data_ptr<int64_t>();
+  // Indices are read unchecked below; refuse any that would leave the tensors (a plain loop:
+  // cheaper than reduction ops for the few hundred indices of a step).
+  for (int64_t i = 0; i < query_index.numel(); ++i)
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < q.size(0), "query row ", rows[i], " out of range");
+  for (int64_t i = 0; i < kv_slots.numel(); ++i)
+    TORCH_CHECK(slots[i] >= 0 && slots[i] < k_cache.size(0), "cache slot ", slots[i], " out of range");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
+                  out.sizes() == q.sizes(), "cache or output shape mismatch");
   at::parallel_for(0, members * g.heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g.keys);
     for (int64_t t = begin; t < end; ++t) {

@@ -164,6 +164,9 @@ def autotune(model: nn.Module, force: bool = False) -> list[GroupResult]:
     cache, measured = _load_cache(), []
     for key, layers in groups.items():
         cached = None if force else cache.get(_cache_key(key))
+        available = candidates(layers[0].stored.codes.device)
+        if cached is not None and not all(name in available for _, name in cached):
+            cached = None  # e.g. measured with kernels that this process could not load
         if cached is None:
             result = measure_group(key, layers)
             measured.append(result)

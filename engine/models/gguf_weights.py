@@ -39,8 +39,14 @@ Weights = dict[str, "torch.Tensor | StoredWeight"]
 
 
 def find_gguf(model_dir: Path) -> Path | None:
-    """The single ``*.gguf`` file a model directory keeps its weights in, if any."""
-    found = sorted(Path(model_dir).glob("*.gguf"))
+    """The single ``*.gguf`` file a model directory keeps its weights in, if any.
+
+    A directory with safetensors weights is a Hugging Face checkpoint: a ``.gguf`` beside them
+    (a second copy, a projector file) is not its weights, so None."""
+    model_dir = Path(model_dir)
+    if any(model_dir.glob("*.safetensors")):
+        return None
+    found = sorted(model_dir.glob("*.gguf"))
     if len(found) > 1:
         raise ValueError(f"{model_dir} holds several .gguf files: {[p.name for p in found]}")
     return found[0] if found else None

@@ -117,7 +117,8 @@ def build_model(
         # q and k rows are reordered for the model's rope layout (see interleave_rope_rows).
         heads = {".q_proj.": arch.num_heads, ".k_proj.": arch.num_kv_heads}
         for part, num_heads in heads.items():
-            if part in name and not (rope_interleaved and name.endswith(".weight")):
+            # llama.cpp's converter permutes q/k weights and biases alike.
+            if part in name and not rope_interleaved:
                 return _interleave(get(name), num_heads)
         return get(name)
 
