@@ -142,8 +142,8 @@ class EngineConfig(_Strict):
     model: str = "smollm2-135m-instruct"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: str = "cpu"
-    # Threads of the products. None (auto): every core while the cores are free, one thread
-    # while another process keeps them busy (engine/thread_governor.py). A number fixes it.
+    # Threads of the products. None (auto): every core while the cores are free, one fewer per
+    # core other processes keep busy (engine/thread_governor.py). A number fixes it.
     num_threads: int | None = Field(None, ge=1)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

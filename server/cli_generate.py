@@ -36,7 +36,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=_positive_int,
         help="threads of the products (default: every core while the cores are free, one "
-        "while another process keeps them busy)",
+        "fewer per core other processes keep busy)",
     )
     p.add_argument(
         "--draft-model",

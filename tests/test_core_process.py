@@ -387,7 +387,9 @@ def test_exception_in_step_logs_traceback_and_exits_nonzero(monkeypatch, capsys)
         def step(self):
             raise RuntimeError("boom in step")
 
-    monkeypatch.setattr("engine.core_loop.create_engine", lambda config: (FailingEngine(), "/m"))
+    monkeypatch.setattr(
+        "engine.core_loop.create_engine", lambda config, companions=(): (FailingEngine(), "/m")
+    )
     server_end, engine_end = Pipe()
     server_end.send(AddRequest("r", [1], SamplingParams()))
     with pytest.raises(SystemExit) as excinfo:
