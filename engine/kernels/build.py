@@ -107,7 +107,10 @@ def available_isas() -> list[str]:
     """Instruction sets the loaded kernels can use on this CPU, fastest first."""
     if not load_kernels():
         return []
-    return torch.ops.specserve.cpu_isas().split(",")
+    # Asked on hot paths (every embedding lookup dequantizes): the answer never changes.
+    if "isas" not in _state:
+        _state["isas"] = torch.ops.specserve.cpu_isas().split(",")
+    return list(_state["isas"])  # type: ignore[arg-type]
 
 
 def main() -> int:

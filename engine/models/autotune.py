@@ -100,8 +100,9 @@ def _agrees(name: str, layer: QuantizedLinear) -> str | None:
     """None if the candidate matches the float64 reference on random rows, else why not."""
     x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
     w = layer.stored.to("cpu")
-    reference = x.double() @ dequantize_torch(w).double().T
-    scale = x.abs().double() @ dequantize_torch(w).abs().double().T  # bounds rounding error
+    weight = dequantize_torch(w).double()
+    reference = x.double() @ weight.T
+    scale = x.abs().double() @ weight.abs().T  # bounds the rounding error
     got = product_by_name(name)(x.to(w.codes.device), layer.stored).double().cpu()
     error = ((got - reference).abs() / (scale + 1e-30)).max().item()
     return None if error < 1e-5 else f"relative error {error:.1e} against the reference"
