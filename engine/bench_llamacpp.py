@@ -4,11 +4,15 @@ It measures the bench's three figures (decode tokens/s at batch 1 and batch N, T
 prompt) with the same token ids, thread count and greedy decoding as our engine. llama-cpp-python
 is an optional extra (``specserve[bench]``): without it, or without a GGUF file, every figure is
 ``None`` and a one-line note says why, so the bench still prints ours and transformers'.
+
+llama.cpp runs in a child process: a crash inside it (its multi-token prompt evaluation crashed
+on an Intel AMX VM) becomes a note instead of killing the bench.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -105,6 +109,10 @@ def llamacpp_baseline(
         return LlamaCppFigures(notes=[INSTALL_NOTE])
     if gguf is None:
         return LlamaCppFigures(notes=[NO_GGUF_NOTE])
+    return run_isolated(_measure, gguf, prompts, long_prompt, max_tokens, threads, n_batch)
+
+
+def _measure(gguf, prompts, long_prompt, max_tokens, threads, n_batch) -> LlamaCppFigures:
     n_ctx = max(len(p) for p in [*prompts, long_prompt]) + max_tokens
     try:
         llama = load_llama(gguf, threads, n_ctx, n_batch)
@@ -120,4 +128,31 @@ def llamacpp_baseline(
     figures.notes.append(f"llama.cpp: {gguf}, {threads} threads, n_batch {n_batch}")
     if len(prompts) > 1:
         figures.notes.append(f"llama.cpp batch {len(prompts)}: - ({BATCH_NOTE})")
+    return figures
+
+
+def _child(conn, fn, args) -> None:
+    conn.send(fn(*args))
+    conn.close()
+
+
+def run_isolated(fn, *args) -> LlamaCppFigures:
+    """``fn(*args)`` in a fresh process (spawned: no forked OpenMP state); a crash is a note."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(send, fn, args), daemon=True)
+    child.start()
+    send.close()
+    try:
+        figures = receive.recv()
+    except EOFError:  # the child died before answering
+        figures = None
+    child.join()
+    if figures is None:
+        return LlamaCppFigures(
+            notes=[
+                f"llama.cpp crashed (exit code {child.exitcode}); if it was the prompt "
+                "evaluation, try --llamacpp-n-batch 1"
+            ]
+        )
     return figures

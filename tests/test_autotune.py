@@ -72,3 +72,33 @@ def test_autotune_can_be_switched_off(cache_dir, monkeypatch):
     before = model[0].plan
     assert autotune(model) == [] and model[0].plan == before
     assert not (cache_dir / "autotune").exists()
+
+
+def test_a_new_candidate_is_measured_instead_of_trusting_the_cache(cache_dir, monkeypatch):
+    autotune(torch.nn.ModuleList(layers()))
+    assert autotune(torch.nn.ModuleList(layers())) == []
+    # A kernel this cache never measured (a new instruction set, a rebuilt library) appears.
+    real = candidates
+
+    def with_new(device):
+        found = dict(real(device))
+        found["kernel-new"] = next(iter(found.values()))
+        return found
+
+    monkeypatch.setattr(autotune_module, "candidates", with_new)
+    monkeypatch.setattr(autotune_module, "product_by_name", lambda n: with_new(torch.device("cpu"))[n])
+    measured = autotune(torch.nn.ModuleList(layers()))
+    assert len(measured) == 1 and "kernel-new" in measured[0].seconds[1]
+
+
+def test_a_timed_pass_keeps_weights_whole_where_the_budget_allows(monkeypatch):
+    group = layers(4)  # 64 x 96 each: 6144 multiply-adds per row of x
+    monkeypatch.setattr(autotune_module, "PASS_BUDGET", 6144 * 8 * 2)
+    # Two layers' worth of 8 rows fit: whole weights of the first two layers, not slices.
+    passed = autotune_module._pass_weights(group, 8)
+    assert [w.shape for w in passed] == [(64, 96), (64, 96)]
+    assert passed[0] is group[0].stored
+    # One layer is over the budget: a slice of one weight, at least MIN_SLICE_ROWS (or all).
+    monkeypatch.setattr(autotune_module, "MIN_SLICE_ROWS", 16)
+    sliced = autotune_module._pass_weights(group, 64)
+    assert len(sliced) == 1 and sliced[0].shape == (16, 96)

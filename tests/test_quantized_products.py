@@ -99,3 +99,22 @@ def test_fused_rows_stack_same_layouts_and_split_different_ones():
 def test_unknown_format_is_refused_by_name():
     with pytest.raises(ValueError, match="IQ2_XXS"):
         read_stored("IQ2_XXS", np.zeros((1, 66), np.uint8), 1)
+
+
+@pytest.mark.skipif("amx" not in available_isas(), reason="this CPU has no AMX")
+@pytest.mark.parametrize("with_mins", [False, True])
+def test_amx_product_covers_half_chunks_and_partial_tiles(with_mins):
+    # 8-bit codes in blocks of 16 with 48 inputs: the last 32-input piece of x is half empty;
+    # 21 weight rows and 1..40 rows of x leave partial 16-row tiles on both sides.
+    g = torch.Generator().manual_seed(7)
+    n, k = 21, 48
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 16, generator=g) * 0.02).half()
+    mins = (torch.randn(n, k // 16, generator=g) * 0.1).half() if with_mins else torch.empty(0)
+    weight = codes.float() * scales.float().repeat_interleave(16, dim=1)
+    if with_mins:
+        weight += mins.float().repeat_interleave(16, dim=1)
+    for rows in (1, 16, 17, 40):
+        x = torch.randn(rows, k, generator=g)
+        got = torch.ops.specserve.dequant_matmul(x, codes, scales, mins, "amx")
+        assert_product_close(got, x, weight)

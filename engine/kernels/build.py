@@ -30,8 +30,9 @@ import torch
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("dequant_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")
+    for name in ("dequant_matmul.cpp", "amx_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")
 ]
+HEADERS = [Path(__file__).with_name("weight_rows.h")]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -45,7 +46,7 @@ def _cache_dir() -> Path:
 def library_path() -> Path:
     """Where the compiled library for this source, torch and architecture lives."""
     key = hashlib.sha256(
-        b"".join(s.read_bytes() for s in SOURCES)
+        b"".join(s.read_bytes() for s in SOURCES + HEADERS)
         + torch.__version__.encode()
         + platform.machine().encode()
     ).hexdigest()[:16]

@@ -22,6 +22,8 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include "weight_rows.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -32,22 +34,9 @@
 
 namespace {
 
-enum class CodeKind { U4, I8, F16, BF16 };
-
-struct WeightRows {
-  CodeKind kind;
-  const uint8_t* codes;
-  int64_t code_row_bytes;
-  const void* scales;
-  const void* mins;  // nullptr: no min
-  bool scales_f16;
-  int64_t groups;  // scale groups per row
-  int64_t K;
-};
-
-inline float scale_at(const void* p, bool f16, int64_t i) {
-  return f16 ? float(reinterpret_cast<const c10::Half*>(p)[i]) : reinterpret_cast<const float*>(p)[i];
-}
+using specserve_kernels::CodeKind;
+using specserve_kernels::WeightRows;
+using specserve_kernels::scale_at;
 
 // ---------------------------------------------------------------- portable (reference) path
 
@@ -533,6 +522,8 @@ struct Isa {
 Isa isa_by_name(const std::string& name) {
 #if defined(__x86_64__)
   if (name == "avx512") return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, tiled_rows_avx512};
+  // The AMX product (amx_matmul.cpp) covers 4- and 8-bit codes; AVX-512 does the rest.
+  if (name == "amx") return {"amx", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, nullptr};
   if (name == "avx2") return {"avx2", dequant_row_avx2, dot_rows_avx2, fused_row_avx2, nullptr};
 #endif
   TORCH_CHECK(name == "portable", "unknown or unavailable instruction set ", name);
@@ -541,7 +532,8 @@ Isa isa_by_name(const std::string& name) {
 
 // Instruction sets usable here, fastest first; "avx512-tiled" is the AVX-512 product with the
 // 4x4 register tile for every row count (plain "avx512" never tiles), so autotune can measure
-// where the tile starts to pay.
+// where the tile starts to pay; "amx" multiplies on AMX tiles (after the AVX-512 ones, which stay
+// the default before autotune has measured).
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
 #if defined(__x86_64__)
@@ -549,6 +541,7 @@ std::vector<std::string> available_isas() {
   if (__builtin_cpu_supports("avx512f")) {
     out.push_back("avx512");
     out.push_back("avx512-tiled");
+    if (specserve_kernels::amx_usable()) out.push_back("amx");
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
     out.push_back("avx2");
@@ -619,6 +612,10 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (std::string(isa.name) == "amx" && specserve_kernels::amx_supports(w)) {
+    specserve_kernels::amx_matmul(w, N, xp, M, yp);
+    return y;
+  }
   const bool fused = isa.fused && (w.kind == CodeKind::U4 || w.kind == CodeKind::I8);
   // Four weight rows share each loaded x vector (the tiled variant, where K allows).
   const bool tiled = tiled_variant && isa.tiled && K % 16 == 0;

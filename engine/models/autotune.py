@@ -32,9 +32,11 @@ from engine.models.weight_formats import dequantize_torch
 ROW_BUCKETS = (1, 2, 3, 4, 5, 8, 16, 32, 128, 512)
 # Rounds over the candidates (interleaved, so a burst of load elsewhere hits all of them).
 ROUNDS = 4
-# Multiply-adds per timed pass: above this, a pass uses a slice of each weight's rows (many
-# rows make a product compute-bound, so a slice ranks the candidates as the whole would).
+# Multiply-adds per timed pass: above this, a pass uses fewer layers or a slice of one weight's
+# rows (many rows make a product compute-bound, so a part ranks the candidates as the whole would).
 PASS_BUDGET = 1 << 27
+# Fewest weight rows in a sliced pass: enough that x's preparation is spread as in the model.
+MIN_SLICE_ROWS = 256
 
 
 @dataclass
@@ -77,8 +79,16 @@ def _cache_file() -> Path:
     return cache_dir() / "autotune" / "products.json"
 
 
-def _cache_key(key: str) -> str:
-    return f"{cpu_identity()}|torch {torch.__version__}|{torch.get_num_threads()} threads|{key}"
+def _cache_key(key: str, names: list[str]) -> str:
+    """Measurements hold for this CPU, torch, thread count and shape, and for these candidates
+    built from this kernel source (a new or changed kernel is measured again)."""
+    from engine.kernels.build import library_path
+
+    products = ",".join(sorted(names))
+    return (
+        f"{cpu_identity()}|torch {torch.__version__}|{torch.get_num_threads()} threads|"
+        f"{library_path().stem}: {products}|{key}"
+    )
 
 
 def _load_cache() -> dict:
@@ -138,13 +148,17 @@ def measure_group(key: str, layers: list[QuantizedLinear]) -> GroupResult:
 
 
 def _pass_weights(layers: list[QuantizedLinear], rows: int) -> list:
-    """The weights one timed pass multiplies: all of them, or a slice of each's rows."""
-    macs = rows * sum(layer.out_features * layer.in_features for layer in layers)
-    if macs <= PASS_BUDGET:
+    """The weights one timed pass multiplies: all of them; else whole weights of fewer layers;
+    else a slice of one weight's rows. Whole weights where possible, so a product's fixed cost
+    per call (preparing x) weighs in the measurement as it does in the model."""
+    per_layer = rows * layers[0].out_features * layers[0].in_features
+    if per_layer * len(layers) <= PASS_BUDGET:
         return [layer.stored for layer in layers]
-    keep = max(16, int(layers[0].out_features * PASS_BUDGET / macs))
+    if per_layer <= PASS_BUDGET:
+        return [layer.stored for layer in layers[: PASS_BUDGET // per_layer]]
+    keep = max(MIN_SLICE_ROWS, int(layers[0].out_features * PASS_BUDGET / per_layer))
     index = torch.arange(min(keep, layers[0].out_features), device=layers[0].stored.codes.device)
-    return [layer.stored.select_rows(index) for layer in layers]
+    return [layers[0].stored.select_rows(index)]
 
 
 def quantized_groups(model: nn.Module) -> dict[str, list[QuantizedLinear]]:
@@ -164,15 +178,16 @@ def autotune(model: nn.Module, force: bool = False) -> list[GroupResult]:
         return []
     cache, measured = _load_cache(), []
     for key, layers in groups.items():
-        cached = None if force else cache.get(_cache_key(key))
         available = candidates(layers[0].stored.codes.device)
+        cache_key = _cache_key(key, list(available))
+        cached = None if force else cache.get(cache_key)
         if cached is not None and not all(name in available for _, name in cached):
             cached = None  # e.g. measured with kernels that this process could not load
         if cached is None:
             result = measure_group(key, layers)
             measured.append(result)
             cached = result.plan()
-            cache[_cache_key(key)] = cached
+            cache[cache_key] = cached
         for layer in layers:
             layer.set_plan([(int(rows), name) for rows, name in cached])
     if measured:
