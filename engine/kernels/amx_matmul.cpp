@@ -121,7 +121,7 @@ AMX inline __m512 bf16_to_float(__m256i h) {
 struct PreparedX {
   int64_t groups, chunks, blocks;
   std::vector<uint16_t> pieces;  // [group][chunk][piece][16 pairs][16 rows][2]
-  std::vector<float> sums;       // [group][block][16 rows]
+  std::vector<float> sums;       // [group][block][16 rows]; empty for weights without mins
 
   const uint16_t* piece(int64_t g, int64_t chunk, int p) const {
     return pieces.data() + ((g * chunks + chunk) * 3 + p) * kPieceWords;
@@ -143,12 +143,14 @@ AMX void prepare_chunk(const float* x, int64_t M, int64_t K, int64_t block, int6
       x0 = _mm512_maskz_loadu_ps(m0, x + row * K + k0);
       x1 = _mm512_maskz_loadu_ps(m1, x + row * K + k0 + 16);
     }
-    float* sums = out.sums.data() + (g * out.blocks) * kT + n;
-    if (block == 32) {
-      if (chunk < out.blocks) sums[chunk * kT] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
-    } else {
-      if (2 * chunk < out.blocks) sums[2 * chunk * kT] = _mm512_reduce_add_ps(x0);
-      if (2 * chunk + 1 < out.blocks) sums[(2 * chunk + 1) * kT] = _mm512_reduce_add_ps(x1);
+    if (!out.sums.empty()) {  // block sums of x, for weights with mins
+      float* sums = out.sums.data() + (g * out.blocks) * kT + n;
+      if (block == 32) {
+        if (chunk < out.blocks) sums[chunk * kT] = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+      } else {
+        if (2 * chunk < out.blocks) sums[2 * chunk * kT] = _mm512_reduce_add_ps(x0);
+        if (2 * chunk + 1 < out.blocks) sums[(2 * chunk + 1) * kT] = _mm512_reduce_add_ps(x1);
+      }
     }
     for (int p = 0; p < 3; ++p) {
       const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);  // inputs 0..15, then 16..31
@@ -164,13 +166,14 @@ AMX void prepare_chunk(const float* x, int64_t M, int64_t K, int64_t block, int6
   }
 }
 
-PreparedX prepare_x(const float* x, int64_t M, int64_t K, int64_t block, int64_t blocks) {
+PreparedX prepare_x(const float* x, int64_t M, int64_t K, int64_t block, int64_t blocks,
+                    bool with_sums) {
   PreparedX out;
   out.groups = (M + kT - 1) / kT;
   out.chunks = (K + kChunk - 1) / kChunk;
   out.blocks = blocks;
   out.pieces.resize(out.groups * out.chunks * 3 * kPieceWords);
-  out.sums.resize(out.groups * blocks * kT);
+  if (with_sums) out.sums.resize(out.groups * blocks * kT);
   at::parallel_for(0, out.groups * out.chunks, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
       prepare_chunk(x, M, K, block, i / out.chunks, i % out.chunks, out);
@@ -298,7 +301,7 @@ bool amx_supports(const WeightRows& w) {
 void amx_matmul(const WeightRows& w, int64_t N, const float* x, int64_t M, float* y) {
   if (M == 0 || N == 0) return;
   const int64_t block = block_inputs(w), K = w.K;
-  const PreparedX px = prepare_x(x, M, K, block, w.groups);
+  const PreparedX px = prepare_x(x, M, K, block, w.groups, w.mins != nullptr);
   at::parallel_for(0, (N + kT - 1) / kT, 1, [&](int64_t begin, int64_t end) {
     weight_chunks(w, N, begin, end, px, M, y);
   });

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -612,7 +613,7 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   at::Tensor y = at::empty({M, N}, xc.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (std::string(isa.name) == "amx" && specserve_kernels::amx_supports(w)) {
+  if (std::strcmp(isa.name, "amx") == 0 && specserve_kernels::amx_supports(w)) {
     specserve_kernels::amx_matmul(w, N, xp, M, yp);
     return y;
   }

@@ -191,9 +191,8 @@ def autotune(model: nn.Module, force: bool = False) -> list[GroupResult]:
     for key, layers in groups.items():
         available = candidates(layers[0].stored.codes.device)
         cache_key = _cache_key(key, list(available))
+        # The key names every candidate, so a cached plan only names products we have.
         cached = None if force else cache.get(cache_key)
-        if cached is not None and not all(name in available for _, name in cached):
-            cached = None  # e.g. measured with kernels that this process could not load
         if cached is None:
             result = measure_group(key, layers)
             measured.append(result)
