@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.bench import TOPICS
+from engine.tools.bench import TOPICS
 
 TRANSFORMERS_CLI = os.path.join(os.path.dirname(sys.executable), "transformers")
 

@@ -10,7 +10,7 @@ from server.cli_generate import add_model_arguments, engine_config_from_args
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     if args.decoder:  # the decoder comparison: --decoder all, or variant names
         return _run_decoder_bench(args, args.decoder)
-    from engine.bench import LlamaCppOptions, run_offline
+    from engine.tools.bench import LlamaCppOptions, run_offline
 
     run_offline(
         engine_config_from_args(args),
@@ -24,7 +24,7 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_linear(args: argparse.Namespace) -> int:
-    from engine.bench_linear import run_linear_bench, run_stored_linear_bench
+    from engine.tools.bench_linear import run_linear_bench, run_stored_linear_bench
 
     if args.dense:
         run_linear_bench()
@@ -46,7 +46,7 @@ def _cmd_bench_decoders(args: argparse.Namespace) -> int:
 
 
 def _run_decoder_bench(args: argparse.Namespace, variants: str) -> int:
-    from engine.bench_decoders import DecoderBenchOptions, run_decoder_bench
+    from engine.tools.bench_decoders import DecoderBenchOptions, run_decoder_bench
 
     # --decoder names variants here, not the engine's decoder: the base config keeps its own.
     config = engine_config_from_args(argparse.Namespace(**{**vars(args), "decoder": None}))

@@ -1,4 +1,4 @@
-"""The llama.cpp baseline of `specserve bench offline` (engine/bench_llamacpp.py).
+"""The llama.cpp baseline of `specserve bench offline` (engine/tools/bench_llamacpp.py).
 
 The real tests run llama-cpp-python on SmolLM2's GGUF file: the one in the model directory, or
 ``$SPECSERVE_TEST_GGUF``. They decode a few tokens and never assert timings.
@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import print_table
-from engine.bench_llamacpp import (
+from engine.models.gguf_weights import find_gguf
+from engine.tools.bench import print_table
+from engine.tools.bench_llamacpp import (
     BATCH_NOTE,
     INSTALL_NOTE,
     NO_GGUF_NOTE,
@@ -25,7 +26,6 @@ from engine.bench_llamacpp import (
     prompt_ttft,
     run_isolated,
 )
-from engine.models.gguf_weights import find_gguf
 
 THREADS = 1
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.tune_layerskip import (
+from engine.tools.tune_layerskip import (
     GreedyMismatchError,
     LayerSkipTuner,
     SkipSet,
@@ -108,7 +108,7 @@ def test_no_draft_beating_autoregressive_is_reported_honestly(tuner):
 
 
 def test_a_draft_changing_greedy_tokens_stops_the_run(tuner, monkeypatch):
-    import engine.tune_layerskip as tune
+    import engine.tools.tune_layerskip as tune
 
     def measure_set_with_a_wrong_draft(*args):
         results = measure_set(*args)

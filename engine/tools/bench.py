@@ -1,9 +1,9 @@
 """Offline benchmark: our engine against Hugging Face ``generate()`` and llama.cpp in one run.
 
 Prints decode tokens/s at batch 1 and batch N, time to first token for a long prompt, the
-same figures for transformers and for llama.cpp (on the model's GGUF file, engine/bench_llamacpp.py)
-on the same prompts, their ratios, and the memory-bandwidth floor of a decode step (weight bytes /
-measured read bandwidth).
+same figures for transformers and for llama.cpp (on the model's GGUF file,
+engine/tools/bench_llamacpp.py) on the same prompts, their ratios, and the memory-bandwidth floor
+of a decode step (weight bytes / measured read bandwidth).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from engine.bench_llamacpp import LlamaCppFigures, llamacpp_baseline
 from engine.llm import LLM
 from engine.models.gguf_weights import find_gguf
 from engine.sampling import SamplingParams
+from engine.tools.bench_llamacpp import LlamaCppFigures, llamacpp_baseline
 
 TOPICS = [
     "a robot who learns to paint",

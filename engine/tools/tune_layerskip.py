@@ -42,7 +42,9 @@ from pathlib import Path
 
 import yaml
 
-from engine.bench_decoders import (
+from engine.config import DecoderConfig, EngineConfig
+from engine.llm import LLM
+from engine.tools.bench_decoders import (
     PROMPT_SETS,
     DecoderResult,
     StepTimer,
@@ -50,8 +52,6 @@ from engine.bench_decoders import (
     losing_reason,
     measure_set,
 )
-from engine.config import DecoderConfig, EngineConfig
-from engine.llm import LLM
 
 DEFAULT_PROMPT_SETS = ("chat", "grounded")
 

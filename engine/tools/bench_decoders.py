@@ -23,20 +23,20 @@ from pathlib import Path
 import torch
 import yaml
 
-from engine.bench_report import (
+from engine.config import DecoderConfig, EngineConfig, LayerSkipConfig
+from engine.llm import LLM
+from engine.model_runner import ForwardItem
+from engine.sampling import SamplingParams
+from engine.speculation import SpecDecodeStats
+from engine.tools.bench_report import (
     losing_reason,
     plot_decoder_bench,
     print_header,
     print_rows,
     print_summary,
 )
-from engine.config import DecoderConfig, EngineConfig, LayerSkipConfig
-from engine.llm import LLM
-from engine.model_runner import ForwardItem
-from engine.sampling import SamplingParams
-from engine.speculation import SpecDecodeStats
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # engine/tools/ -> the repository
 PROMPT_SETS = REPO / "configs" / "prompts"
 DEFAULT_PLOT = REPO / "docs" / "decoders-benchmark.png"
 TRUNCATED_LAYERS = 8  # the truncated self draft's layers (and the transformers assistant's)
