@@ -44,8 +44,8 @@ from engine.core_protocol import (
 )
 
 if TYPE_CHECKING:
-    from engine.decoders import SpeculativeOptions
     from engine.sampling import SamplingParams
+    from engine.speculative_options import SpeculativeOptions
 
 __all__ = [
     "AsyncEngineClient",

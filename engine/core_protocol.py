@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from engine.decoders import SpeculativeOptions
     from engine.engine import Engine
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.sampling import SampledToken, SamplingParams
+    from engine.speculative_options import SpeculativeOptions
 
 
 # ---- errors the client raises --------------------------------------------------------------

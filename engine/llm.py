@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.decoders import SpeculativeOptions
 from engine.engine import create_engine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
+from engine.speculative_options import SpeculativeOptions
 
 Prompt = str | Sequence[int]
 

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.decoders.base import SpeculativeOptions
 from engine.sampling import SampledToken, SamplingParams
+from engine.speculative_options import SpeculativeOptions
 
 
 class SequenceStatus(enum.Enum):

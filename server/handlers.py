@@ -16,7 +16,7 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.decoders.base import SpeculativeOptions
+from engine.speculative_options import SpeculativeOptions
 from server.errors import APIError, invalid_parameter
 from server.generation import ChoiceEvent, RequestRun
 from server.protocol import ChatCompletionRequest, CompletionRequest

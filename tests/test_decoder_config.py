@@ -117,3 +117,17 @@ def test_truncated_level1_reads_only_what_level2_has_cached(tiny_model_dir, tiny
     level1.runner.run = recording_run
     llm.generate([7, 8, 9, 10, 11, 12], SamplingParams(temperature=0, max_tokens=8))
     assert starts and starts[0] == 0
+
+
+def test_a_sequence_carries_decoder_options_without_importing_the_decoders():
+    # engine.sequence used to reach SpeculativeOptions through engine.decoders, which imports
+    # the engine's config and decoders back: an import loop waiting to close.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, engine.sequence, engine.speculative_options; "
+        "print(any(m.startswith('engine.decoders') for m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

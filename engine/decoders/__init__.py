@@ -2,8 +2,9 @@
 request among ``decoder.extra_methods``)."""
 
 from engine.config import DecoderConfig
-from engine.decoders.base import Decoder, Proposal, SpeculativeOptions, TargetContext
+from engine.decoders.base import Decoder, Proposal, TargetContext
 from engine.decoders.ngram import NgramDecoder
+from engine.speculative_options import SpeculativeOptions
 
 DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical")
 

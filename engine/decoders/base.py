@@ -15,22 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # engine.sequence imports SpeculativeOptions from here
+if TYPE_CHECKING:
     from engine.sequence import Sequence
-
-
-@dataclass(frozen=True)
-class SpeculativeOptions:
-    """A request's choice among the decoders the engine has loaded (the server's
-    ``"speculative": {"method": ..., "num_speculative_tokens": ...}``)."""
-
-    method: str
-    num_speculative_tokens: int | None = None  # None: the decoder's configured k
-
-    def __post_init__(self):
-        k = self.num_speculative_tokens
-        if k is not None and not (isinstance(k, int) and 1 <= k <= 16):
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k!r}")
 
 
 @dataclass
