@@ -248,19 +248,24 @@ class Engine:
         # A sequence whose uncomputed tokens all run now gets logits and new tokens; a
         # prefill chunk that stops short of the end does not.
         completing = [s.seq.num_uncomputed_tokens == s.num_new_tokens for s in scheduled]
+        accepted_drafts: dict[Sequence, int] = {}
         if self.speculator is None:
             items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
             logits = self.runner.run(items)
-            for s in scheduled:
-                s.seq.num_computed_tokens += s.num_new_tokens
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
         else:
             items = self.speculator.forward_items(scheduled, completing, proposals)
             logits = self.runner.run(items)
-            emitted = self.speculator.verify(logits, scheduled, completing, proposals)
+            emitted, accepted_drafts = self.speculator.verify(
+                logits, scheduled, completing, proposals
+            )
         for s in scheduled:
+            # The step's tokens and the drafts that stood are in the cache; slots of rejected
+            # or unused drafts are released.
+            kept = s.num_new_tokens + accepted_drafts.get(s.seq, 0)
+            self.block_manager.mark_computed(s.seq, kept)
             self.block_manager.commit_full_blocks(s.seq)
         return {seq: self._append(seq, tokens) for seq, tokens in emitted}
 

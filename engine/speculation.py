@@ -150,25 +150,25 @@ class Speculator:
         scheduled: list[ScheduledSequence],
         completing: list[bool],
         proposals: dict[Sequence, Proposal],
-    ) -> list[tuple[Sequence, list[SampledToken]]]:
-        """Accept drafts, roll back the rest; returns each completing sequence's new tokens.
+    ) -> tuple[list[tuple[Sequence, list[SampledToken]]], dict[Sequence, int]]:
+        """Accept drafts: returns each completing sequence's new tokens, and how many of each
+        drafting sequence's drafts stood (the engine marks them computed, with the step's
+        tokens, and releases the rest).
 
         Call after the forward pass and before the sequences' token counts move on.
         """
         runs, seqs = [], []
         for s, completes in zip(scheduled, completing, strict=True):
-            seq = s.seq
-            k = s.num_lookahead
-            seq.num_computed_tokens += s.num_new_tokens + k
             if not completes:
                 continue
+            seq, k = s.seq, s.num_lookahead
             proposal = proposals.get(seq)
             drafts = proposal.token_ids[:k] if k else []
             q = proposal.draft_probs[:k] if k and proposal.draft_probs is not None else None
             runs.append(DraftRun(seq, drafts, q, seq.generator))
             seqs.append(s)
         verified = self.rejection_sampler(logits, runs)
-        results = []
+        results, accepted = [], {}
         for s, run, v in zip(seqs, runs, verified, strict=True):
             k = len(run.draft_token_ids)
             if k:
@@ -177,20 +177,10 @@ class Speculator:
                 self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
-        self._trim(scheduled, runs, verified)
+            accepted[s.seq] = v.num_accepted
         if self.gate.enabled:
             self._observe_target_confidence(logits, runs, verified)
-        return results
-
-    def _trim(self, scheduled, runs, verified) -> None:
-        """Drop rejected drafts from the cache, and any granted slot no draft used."""
-        accepted = {run.row: v.num_accepted for run, v in zip(runs, verified, strict=True)}
-        for s in scheduled:
-            seq = s.seq
-            drafted = s.num_lookahead
-            keep = seq.num_computed_tokens - drafted + accepted.get(seq, drafted)
-            if keep != seq.num_computed_tokens or self.block_manager.has_spare_blocks(seq):
-                self.block_manager.rollback(seq, keep)
+        return results, accepted
 
     def _observe_target_confidence(self, logits, runs, verified) -> None:
         """The target's probability for each sequence's last emitted token, for the gate."""

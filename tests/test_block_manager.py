@@ -20,7 +20,7 @@ class Seq:
 def compute(bm: BlockManager, seq: Seq, n: int) -> None:
     """What the engine does for a step of ``n`` tokens: reserve, compute, commit."""
     bm.append_slots(seq, n)
-    seq.num_computed_tokens += n
+    bm.mark_computed(seq, n)
     bm.commit_full_blocks(seq)
 
 
@@ -37,30 +37,29 @@ def test_append_slots_allocates_whole_blocks_and_free_returns_them():
     assert bm.num_free_blocks == 8 and seq.block_table == [] and bm.usage == 0
 
 
-def test_lookahead_slots_roll_back_to_the_accepted_length():
+def test_lookahead_slots_past_the_accepted_drafts_are_released():
     bm = BlockManager(num_blocks=8, block_size=4)
     seq = Seq(list(range(6)))
     bm.allocate_prefix(seq)
     compute(bm, seq, 6)
-    bm.append_slots(seq, 7)  # room for 7 draft tokens: positions 6..12 -> 4 blocks
-    seq.num_computed_tokens += 7
+    bm.append_slots(seq, 7)  # the decode token and 6 drafts: positions 6..12 -> 4 blocks
     assert len(seq.block_table) == 4
-    bm.rollback(seq, 8)  # one draft accepted plus the bonus token
+    bm.mark_computed(seq, 2)  # the decode token and one accepted draft
     assert seq.num_computed_tokens == 8 and len(seq.block_table) == 2
     assert bm.num_free_blocks == 6
-    with pytest.raises(ValueError):
-        bm.rollback(seq, 9)
+    with pytest.raises(ValueError, match="reserved blocks hold 8"):
+        bm.mark_computed(seq, 1)  # no slot was reserved for it
 
 
-def test_rollback_never_cuts_into_committed_shared_blocks():
+def test_computed_tokens_never_move_back_into_shared_blocks():
     bm = BlockManager(num_blocks=8, block_size=4)
     a = Seq(list(range(9)))
     bm.allocate_prefix(a)
     compute(bm, a, 9)
     b = Seq(list(range(8)) + [50, 51])
     assert bm.allocate_prefix(b) == 8  # b now shares a's first two blocks
-    with pytest.raises(ValueError, match=r"valid range is \[8, 9\]"):
-        bm.rollback(a, 2)  # would make a write into a block b reads
+    with pytest.raises(ValueError, match="cannot mark -7"):
+        bm.mark_computed(a, -7)  # would make a write into a block b reads
     assert a.num_computed_tokens == 9 and [bm.blocks[i].ref_count for i in b.block_table] == [2, 2]
 
 

@@ -128,24 +128,21 @@ class BlockManager:
         for _ in range(needed):
             seq.block_table.append(self._take_free_block())
 
-    def rollback(self, seq: CachedSequence, num_tokens: int) -> None:
-        """Shrink a sequence's cache to ``num_tokens`` tokens (rejected drafts); blocks past
-        the new length go back to the pool."""
-        committed = len(seq.block_hashes) * self.block_size
-        if not committed <= num_tokens <= seq.num_computed_tokens:
-            # Committed blocks hold accepted tokens and may be shared: never cut into them.
+    def mark_computed(self, seq: CachedSequence, num_tokens: int) -> None:
+        """The next ``num_tokens`` tokens' K/V now stand in the cache (in slots reserved by
+        ``append_slots``). Reserved blocks past them (unused lookahead, rejected drafts) go
+        back to the pool. The engine calls this once per sequence and step: it alone moves
+        ``num_computed_tokens`` forward."""
+        total = seq.num_computed_tokens + num_tokens
+        if num_tokens < 0 or total > len(seq.block_table) * self.block_size:
             raise ValueError(
-                f"cannot roll back to {num_tokens} tokens: valid range is "
-                f"[{committed}, {seq.num_computed_tokens}]"
+                f"cannot mark {num_tokens} more tokens computed: {seq.num_computed_tokens} are, "
+                f"and the reserved blocks hold {len(seq.block_table) * self.block_size}"
             )
-        seq.num_computed_tokens = num_tokens
-        keep = -(-num_tokens // self.block_size)
+        seq.num_computed_tokens = total
+        keep = -(-total // self.block_size)
         while len(seq.block_table) > keep:
             self._unref(seq.block_table.pop())
-
-    def has_spare_blocks(self, seq: CachedSequence) -> bool:
-        """True when ``seq`` holds blocks past its computed tokens (unused lookahead)."""
-        return len(seq.block_table) > -(-seq.num_computed_tokens // self.block_size)
 
     def commit_full_blocks(self, seq: CachedSequence) -> None:
         """Hash the blocks that are now full of computed, accepted tokens so that later
