@@ -17,6 +17,16 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class CacheState:
+    """What a drafter may know of a sequence's place in the paged KV cache, whatever fields the
+    scheduler keeps it in."""
+
+    num_cached: int  # tokens whose target K/V stand in the cache
+    block_table: list[int]  # the sequence's blocks (a draft model mirrors the target's ids)
+    epoch: int  # changes whenever the sequence's blocks were freed (preemption)
+
+
 @dataclass(eq=False)
 class Sequence:
     """Tokens (prompt then output), cache position and per-sequence sampling state.
@@ -57,6 +67,9 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def cache_state(self) -> CacheState:
+        return CacheState(self.num_computed_tokens, self.block_table, self.num_preemptions)
 
     @property
     def is_finished(self) -> bool:

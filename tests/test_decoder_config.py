@@ -131,3 +131,21 @@ def test_a_sequence_carries_decoder_options_without_importing_the_decoders():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_drafters_read_the_cache_through_cache_state_only():
+    # The scheduler's field names stay the scheduler's: decoders see CacheState.
+    import re
+    from pathlib import Path
+
+    import engine.decoders
+    from engine.sampling import SamplingParams
+    from engine.sequence import CacheState, Sequence
+
+    seq = Sequence("s", "r", [1, 2, 3], SamplingParams(), None)
+    seq.num_computed_tokens, seq.block_table, seq.num_preemptions = 2, [7], 1
+    assert seq.cache_state() == CacheState(num_cached=2, block_table=[7], epoch=1)
+    # Sequence fields read by name (not CacheState's: cache_state().block_table is fine).
+    scheduler_fields = re.compile(r"num_computed_tokens|num_preemptions|[A-Za-z_]\.block_table")
+    for path in Path(engine.decoders.__file__).parent.glob("*.py"):
+        assert not scheduler_fields.findall(path.read_text()), path.name

@@ -38,7 +38,7 @@ from engine.sampling import (
     sample_from_probabilities,
 )
 
-if TYPE_CHECKING:  # engine.sequence imports engine.decoders
+if TYPE_CHECKING:  # for annotations only
     from engine.sequence import Sequence
 
 # Offsets a seeded request's draft generator from its sampling generator: the draft's draws
@@ -51,7 +51,7 @@ __all__ = ["DRAFT_SEED_OFFSET", "ModelDrafter", "draft_statistics"]
 @dataclass
 class _DraftState:
     num_cached: int  # leading tokens whose draft K/V are valid (own cache)
-    num_preemptions: int  # the sequence's count when num_cached was set
+    cache_epoch: int  # the sequence's cache epoch when num_cached was set
     generator: torch.Generator
     start: int = 0  # position of the first token read in the current drafting round
 
@@ -92,20 +92,21 @@ class ModelDrafter:
         self._states: weakref.WeakKeyDictionary[Sequence, _DraftState] = weakref.WeakKeyDictionary()
 
     def _state(self, seq: Sequence) -> _DraftState:
+        cache = seq.cache_state()
         state = self._states.get(seq)
         if state is None:
-            state = _DraftState(0, seq.num_preemptions, self._new_generator(seq))
+            state = _DraftState(0, cache.epoch, self._new_generator(seq))
             self._states[seq] = state
-        elif state.num_preemptions != seq.num_preemptions:
+        elif state.cache_epoch != cache.epoch:
             # Preempted since: its blocks were freed, so nothing of it is cached. The draft
             # stream goes on: restarting it would reuse draws that already shaped the output.
-            state.num_cached, state.num_preemptions = 0, seq.num_preemptions
+            state.num_cached, state.cache_epoch = 0, cache.epoch
         if self.follows is not None:
             leader = self.follows._states.get(seq)
             state.num_cached = leader.num_cached if leader is not None else 0
         elif self.shares_target_cache:
-            state.num_cached = seq.num_computed_tokens  # the target's cache is authoritative
-        state.num_cached = min(state.num_cached, seq.num_computed_tokens)
+            state.num_cached = cache.num_cached  # the target's cache is authoritative
+        state.num_cached = min(state.num_cached, cache.num_cached)
         return state
 
     def _new_generator(self, seq: Sequence) -> torch.Generator:
@@ -125,7 +126,7 @@ class ModelDrafter:
 
     def begin_round(self, seq: Sequence) -> None:
         """Start drafting for ``seq`` at its decode token."""
-        self._state(seq).start = seq.num_computed_tokens
+        self._state(seq).start = seq.cache_state().num_cached
 
     def generator(self, seq: Sequence) -> torch.Generator:
         return self._state_of(seq).generator
@@ -146,7 +147,8 @@ class ModelDrafter:
         for s in seqs:
             state = self._states[s]
             tokens = (s.token_ids + chains[s])[state.num_cached :]
-            items.append(ForwardItem(tokens, state.num_cached, s.block_table, num_logits[s]))
+            blocks = s.cache_state().block_table
+            items.append(ForwardItem(tokens, state.num_cached, blocks, num_logits[s]))
             state.num_cached += len(tokens)
         return self.runner.run(items, **self.model_options)
 

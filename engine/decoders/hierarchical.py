@@ -149,7 +149,7 @@ class HierarchicalDecoder(Decoder):
                         break
                 offset += len(run.draft_token_ids) + 1
                 # Level 2 read the chain up to the last token it accepted from level 1.
-                level2.rewind(s, s.num_computed_tokens + len(chains[s]))
+                level2.rewind(s, s.cache_state().num_cached + len(chains[s]))
                 if confident and len(chains[s]) < num_drafts[s]:
                     still.append(s)
             active = still
