@@ -118,3 +118,33 @@ def test_amx_product_covers_half_chunks_and_partial_tiles(with_mins):
         x = torch.randn(rows, k, generator=g)
         got = torch.ops.specserve.dequant_matmul(x, codes, scales, mins, "amx")
         assert_product_close(got, x, weight)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("with_mins", [False, True])
+def test_one_row_products_cover_odd_block_counts_and_row_tails(scale_dtype, with_mins):
+    # The one-row (decode) kernels take weight rows four at a time and 8-bit blocks two at a
+    # time: 7 weight rows and 3 or 5 blocks per row leave a tail of each.
+    g = torch.Generator().manual_seed(11)
+    for n, k, kind in ((7, 48, "int8"), (7, 80, "int8"), (7, 96, "uint8"), (6, 160, "uint8")):
+        block = 16 if kind == "int8" else 32
+        if kind == "int8":
+            codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+            values = codes.float()
+        else:
+            codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+            # byte j of a block holds weights j (low nibble) and j + 16 (high nibble)
+            nib = codes.view(n, k // 32, 16)
+            values = torch.cat([nib & 15, nib >> 4], dim=2).reshape(n, k).float()
+        scales = (torch.rand(n, k // block, generator=g) * 0.02).to(scale_dtype)
+        mins = torch.randn(n, k // block, generator=g).mul(0.1).to(scale_dtype)
+        if kind == "uint8" or with_mins:
+            weight = values * scales.float().repeat_interleave(block, dim=1)
+            weight += mins.float().repeat_interleave(block, dim=1)
+        else:
+            mins = torch.empty(0, dtype=scale_dtype)
+            weight = values * scales.float().repeat_interleave(block, dim=1)
+        x = torch.randn(1, k, generator=g)
+        for isa in available_isas():
+            got = torch.ops.specserve.dequant_matmul(x, codes, scales, mins, isa)
+            assert_product_close(got, x, weight)

@@ -39,6 +39,20 @@ using specserve_kernels::CodeKind;
 using specserve_kernels::WeightRows;
 using specserve_kernels::scale_at;
 
+// Weight rows are prefetched this many bytes ahead of the rows being multiplied. With the
+// hardware prefetcher alone a one-row product from memory ran at about 60% of its in-cache
+// speed on the Intel machine, as the stream from memory followed the arithmetic instead of
+// overlapping it (docs/benchmarks.md); 2-8 KB ahead measured the same there.
+constexpr int64_t kPrefetchAhead = 4096;
+
+// Weight rows that share one pass of the one-row (decode) product; see one_row_tile_avx512.
+constexpr int kOneRowTile = 4;
+
+inline void prefetch_ahead(const uint8_t* rows, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(rows) + kPrefetchAhead;
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
 // ---------------------------------------------------------------- portable (reference) path
 
 void dequant_row_portable(const WeightRows& w, int64_t n, float* out) {
@@ -92,7 +106,7 @@ void dot_rows_portable(const float* x, int64_t M, int64_t K, const float* w, flo
 
 #if defined(__x86_64__)
 // ----------------------------------------------------------------------------- AVX-512F path
-#define AVX512 __attribute__((target("avx512f")))
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 AVX512 inline __m512 scale16(const void* p, bool f16, int64_t i) {
   return _mm512_set1_ps(scale_at(p, f16, i));
@@ -268,6 +282,7 @@ AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int
                              int64_t ldy, float* scratch) {
   const RowScales s = row_scales_avx512(w, n, scratch, scratch + w.groups);
   const uint8_t* q = w.codes + n * w.code_row_bytes;
+  prefetch_ahead(q, w.code_row_bytes);
   const int64_t K = w.K, G = w.groups;
   const bool u4 = w.kind == CodeKind::U4;
   // Up to eight rows share one in-register dequantization (32 vector registers hold eight
@@ -296,6 +311,94 @@ AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int
   }
 }
 
+
+// ------------------------------------------------------------------- one row of x (decode)
+//
+// A decode step multiplies one row of x by each weight, so every weight byte feeds a single FMA
+// and the product runs at the rate of the in-register dequantization, not of the FMAs. Two
+// things raise that rate: kOneRowTile weight rows share a pass (their blocks are independent
+// chains the core overlaps, their scales convert in one vector pass, and their sums reduce
+// together), and the rows further ahead are prefetched so the stream from memory overlaps the
+// arithmetic instead of following it.
+// count float16 values to float32 (count need not be a multiple of 16).
+AVX512 void halves_to_float_masked_avx512(const void* src, int64_t count, float* dst) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+  if (i < count) {
+    const __mmask16 k = __mmask16((1u << (count - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)));
+  }
+}
+
+// Scales (and mins) of weight rows n .. n + R - 1 as float32: R * G consecutive values.
+template <int R>
+AVX512 RowScales tile_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
+  const int64_t g0 = n * w.groups, count = R * w.groups;
+  if (!w.scales_f16)
+    return {reinterpret_cast<const float*>(w.scales) + g0,
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr};
+  halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
+  if (w.mins) halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
+  return {dbuf, w.mins ? mbuf : nullptr};
+}
+
+// The four sums of a, b, c, d in lanes 0..3.
+AVX512 inline __m128 sum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd);
+  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)),
+                                    _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// 8-bit block b of one weight row (scales from index g0) times x, into acc.
+AVX512 __attribute__((always_inline)) inline void i8_one_row_block(
+    const uint8_t* q, RowScales s, int64_t g0, int64_t b, const float* x, __m512& acc) {
+  const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
+  const __m512 d = _mm512_set1_ps(s.d[g0 + b]);
+  const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[g0 + b]))
+                        : _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
+  acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * b), wv, acc);
+}
+
+// One row of x against weight rows n .. n + kOneRowTile - 1; y[n + r] for each.
+AVX512 void one_row_tile_avx512(const WeightRows& w, int64_t n, const float* x, float* y, float* scratch) {
+  constexpr int R = kOneRowTile;
+  const int64_t G = w.groups, row_bytes = w.code_row_bytes;
+  const RowScales s = tile_scales_avx512<R>(w, n, scratch, scratch + R * G);
+  const uint8_t* q = w.codes + n * row_bytes;
+  prefetch_ahead(q, R * row_bytes);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  if (w.kind == CodeKind::U4) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < G; ++b) {
+      const __m512 x0 = _mm512_loadu_ps(x + 32 * b), x1 = _mm512_loadu_ps(x + 32 * b + 16);
+      for (int r = 0; r < R; ++r) {  // as u4_block_avx512: a 16-entry table, then permutes
+        const __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(s.d[r * G + b]), _mm512_set1_ps(s.m[r * G + b]));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b)));
+        acc[r][0] = _mm512_fmadd_ps(x0, _mm512_permutexvar_ps(v, table), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), acc[r][1]);
+      }
+    }
+  } else {  // 8-bit codes, blocks of 16; even and odd blocks keep two accumulators per row busy
+    int64_t b = 0;
+    for (; b + 2 <= G; b += 2)
+      for (int r = 0; r < R; ++r) {
+        i8_one_row_block(q + r * row_bytes, s, r * G, b, x, acc[r][0]);
+        i8_one_row_block(q + r * row_bytes, s, r * G, b + 1, x, acc[r][1]);
+      }
+    if (b < G)
+      for (int r = 0; r < R; ++r) i8_one_row_block(q + r * row_bytes, s, r * G, b, x, acc[r][0]);
+  }
+  const __m128 sums = sum4_avx512(_mm512_add_ps(acc[0][0], acc[0][1]), _mm512_add_ps(acc[1][0], acc[1][1]),
+                                  _mm512_add_ps(acc[2][0], acc[2][1]), _mm512_add_ps(acc[3][0], acc[3][1]));
+  _mm_storeu_ps(y + n, sums);
+}
 
 // Many rows of x (batches, prefill chunks): dequantize four weight rows into an L1 buffer, then
 // a 4x4 register tile (four rows of x by four weight rows) makes each loaded vector feed four
@@ -492,6 +595,7 @@ AVX2 void fused_row_avx2(const WeightRows& w, int64_t n, const float* x, int64_t
                          int64_t ldy, float* scratch) {
   const RowScales s = row_scales_avx2(w, n, scratch, scratch + w.groups);
   const uint8_t* q = w.codes + n * w.code_row_bytes;
+  prefetch_ahead(q, w.code_row_bytes);
   const int64_t K = w.K, G = w.groups;
   const bool u4 = w.kind == CodeKind::U4;
   int64_t m = 0;
@@ -511,6 +615,8 @@ using DotRows = void (*)(const float*, int64_t, int64_t, const float*, float*, i
 // All rows of x against weight row n without a dequantized buffer (integer codes only).
 using FusedRow = void (*)(const WeightRows&, int64_t, const float*, int64_t, float*, int64_t, float*);
 using TiledRows = FusedRow;
+// One row of x against kOneRowTile weight rows from n (integer codes only).
+using OneRowTile = void (*)(const WeightRows&, int64_t, const float*, float*, float*);
 
 struct Isa {
   const char* name;
@@ -518,13 +624,16 @@ struct Isa {
   DotRows dot;
   FusedRow fused;  // nullptr: dequantize the row, then dot
   TiledRows tiled;  // nullptr: none; else four weight rows at a time for many rows of x
+  OneRowTile one_row = nullptr;  // nullptr: one row of x goes through ``fused``
 };
 
 Isa isa_by_name(const std::string& name) {
 #if defined(__x86_64__)
-  if (name == "avx512") return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, tiled_rows_avx512};
+  if (name == "avx512")
+    return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, tiled_rows_avx512, one_row_tile_avx512};
   // The AMX product (amx_matmul.cpp) covers 4- and 8-bit codes; AVX-512 does the rest.
-  if (name == "amx") return {"amx", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, nullptr};
+  if (name == "amx")
+    return {"amx", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, nullptr, one_row_tile_avx512};
   if (name == "avx2") return {"avx2", dequant_row_avx2, dot_rows_avx2, fused_row_avx2, nullptr};
 #endif
   TORCH_CHECK(name == "portable", "unknown or unavailable instruction set ", name);
@@ -539,7 +648,8 @@ std::vector<std::string> available_isas() {
   std::vector<std::string> out;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl")) {
     out.push_back("avx512");
     out.push_back("avx512-tiled");
     if (specserve_kernels::amx_usable()) out.push_back("amx");
@@ -620,7 +730,8 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   const bool fused = isa.fused && (w.kind == CodeKind::U4 || w.kind == CodeKind::I8);
   // Four weight rows share each loaded x vector (the tiled variant, where K allows).
   const bool tiled = tiled_variant && isa.tiled && K % 16 == 0;
-  const int64_t step = tiled ? 4 : 1;
+  const bool one_row = fused && M == 1 && isa.one_row;
+  const int64_t step = tiled ? 4 : one_row ? kOneRowTile : 1;
   at::parallel_for(0, (N + step - 1) / step, std::max<int64_t>(kRowGrain / step, 1),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> row(4 * K);  // dequantized weight rows (or a row's scales), in L1
@@ -628,6 +739,10 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
       const int64_t n = t * step;
       if (tiled && n + 4 <= N) {
         isa.tiled(w, n, xp, M, yp, N, row.data());
+        continue;
+      }
+      if (one_row && n + kOneRowTile <= N) {
+        isa.one_row(w, n, xp, yp, row.data());
         continue;
       }
       for (int64_t r = n; r < std::min(n + step, N); ++r) {
