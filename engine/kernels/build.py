@@ -1,8 +1,9 @@
 """Build (once per machine) and load the C++ product kernels as ``torch.ops.specserve``.
 
 The kernels are C++ files registered with ``torch.library``: the weight products
-(``dequant_matmul.cpp``), the fused small operations of a layer (``layer_ops.cpp``) and
-attention of short query runs over the paged cache (``paged_attention.cpp``).
+(``dequant_matmul.cpp``, ``amx_matmul.cpp``), the fused small operations of a layer
+(``layer_ops.cpp``), attention of short query runs over the paged cache
+(``paged_attention.cpp``) and the decoder layers run in one call (``decoder_stack.cpp``).
 They are compiled with the system's C++ compiler against the installed torch's headers
 into one library in the specserve cache
 (keyed by the source, torch version and machine architecture), so the first load on a
@@ -30,7 +31,13 @@ import torch
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("dequant_matmul.cpp", "amx_matmul.cpp", "layer_ops.cpp", "paged_attention.cpp")
+    for name in (
+        "dequant_matmul.cpp",
+        "amx_matmul.cpp",
+        "layer_ops.cpp",
+        "paged_attention.cpp",
+        "decoder_stack.cpp",
+    )
 ]
 HEADERS = [Path(__file__).with_name("weight_rows.h")]
 _lock = threading.Lock()

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kernels.build import load_kernels
+from engine.models.decoder_stack import DecoderStack
 from engine.models.linear import Linear
 from engine.models.products import dequantize
 from engine.models.rope import RopeFactors, RotaryEmbedding, rotate
@@ -200,6 +201,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm
         self.lm_head = lm_head
+        # All layers in one C++ call where it applies (see engine/models/decoder_stack.py).
+        self.stack = DecoderStack(self.layers) if DecoderStack.usable(self.layers) else None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -242,11 +245,14 @@ class LlamaModel(nn.Module):
         rows selected by ``logits_indices``. ``skip_attention`` and ``skip_mlp`` name layers
         whose attention or MLP sublayer is skipped.
         """
-        layer_ids = range(len(self.layers)) if layer_ids is None else layer_ids
         hidden = self.embed(input_ids)
         rope = self.rope.lookup(positions)
-        captured = None
-        for i in layer_ids:
+        ran, captured = False, None
+        if self.stack is not None:
+            ran, captured = self.stack.run(
+                hidden, rope, kv_caches, attn, layer_ids, hidden_layer, skip_attention, skip_mlp
+            )
+        for i in () if ran else range(len(self.layers)) if layer_ids is None else layer_ids:
             hidden = self.layers[i](
                 hidden, rope, kv_caches[i], attn, i not in skip_attention, i not in skip_mlp
             )

@@ -16,6 +16,14 @@ from torch import nn
 from engine.models.products import default_product, dequantize, product_by_name
 from engine.models.weight_formats import StoredWeight
 
+# Bumped whenever a layer's plan changes, so holders of compiled plans (the C++ decoder
+# stack) know to rebuild.
+_plan_changes = [0]
+
+
+def plans_version() -> int:
+    return _plan_changes[0]
+
 
 class QuantizedLinear(nn.Module):
     """``y = x @ dequant(W).T + b`` for 2-D ``x`` with ``W`` in a stored format."""
@@ -36,6 +44,7 @@ class QuantizedLinear(nn.Module):
     def set_plan(self, plan: list[tuple[int, str]]) -> None:
         """``plan``: (largest row count, product name), sorted by row count."""
         self.plan = list(plan)
+        _plan_changes[0] += 1
         self._limits = [rows for rows, _ in plan]
         self._products = [product_by_name(name) for _, name in plan]
 

@@ -1,0 +1,133 @@
+"""The decoder layers of a step in one C++ call (``engine/kernels/decoder_stack.cpp``).
+
+At batch 1 a step's products take a few milliseconds and driving 30 layers from Python
+(a dozen operator calls each) added about a quarter on top. The C++ stack runs the same
+operators as ``DecoderLayer._forward_fused`` over the same weight tensors, with each
+projection's autotuned kernel per row count, so a step is one call for all layers.
+
+It applies where the fused Python path would run with kernels only: float32 on the CPU, every
+projection a stored (GGUF-format) weight whose plan names a C++ kernel for the step's row
+count, and attention in one group of short query runs (decode, verification, batched
+decode). Anything else (prefill, dense or draft-copy weights, several attention groups) runs
+the Python layers, which stay the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from engine.attention import SHORT_QUERY_LIMIT, AttentionMetadata
+from engine.kernels.build import load_kernels
+from engine.models.quantized_linear import QuantizedLinear, StackedLinear, plans_version
+
+# Projection slots as decoder_stack.cpp numbers them.
+_SLOTS = ("qkv", "o", "gate_up", "down")
+
+
+def _parts(projection: nn.Module) -> list[QuantizedLinear] | None:
+    if isinstance(projection, QuantizedLinear):
+        return [projection]
+    if isinstance(projection, StackedLinear) and all(
+        isinstance(p, QuantizedLinear) for p in projection.parts
+    ):
+        return list(projection.parts)
+    return None
+
+
+def _kernel_plan(part: QuantizedLinear) -> tuple[list[int], list[str]]:
+    """The part's plan as row limits and kernel names ("" where the product is not a kernel)."""
+    limits = [rows for rows, _ in part.plan]
+    isas = [
+        name.removeprefix("kernel-") if name.startswith("kernel-") else "" for _, name in part.plan
+    ]
+    return limits, isas
+
+
+class DecoderStack:
+    """The C++ stack for one model's layers, rebuilt when autotune changes a plan."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.layers = layers
+        self._stack = None
+        self._version = None
+        self._kv_source = None
+        self._kv_flat: list[torch.Tensor] = []
+        self._all_layers = list(range(len(layers)))
+        self._all_on = [1] * len(layers)
+
+    @staticmethod
+    def usable(layers: Sequence[nn.Module]) -> bool:
+        return (
+            len(layers) > 0
+            and load_kernels()
+            and all(getattr(layer, "fused_ops", False) for layer in layers)
+            and all(_parts(getattr(layer, slot)) is not None for layer in layers for slot in _SLOTS)
+        )
+
+    def _build(self):
+        first = self.layers[0]
+        arch = first.arch
+        stack = torch.classes.specserve.DecoderStack(
+            arch.num_heads, arch.num_kv_heads, float(arch.rms_norm_eps)
+        )
+        for layer in self.layers:
+            index = stack.add_layer(layer.input_norm, layer.post_attention_norm)
+            for slot, name in enumerate(_SLOTS):
+                for part in _parts(getattr(layer, name)):
+                    limits, isas = _kernel_plan(part)
+                    w = part.stored
+                    stack.add_part(index, slot, w.codes, w.scales, w.mins, part.bias, limits, isas)
+        return stack
+
+    def _flat_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        if kv_caches is not self._kv_source:  # the engine passes the same list every step
+            self._kv_source = kv_caches
+            self._kv_flat = [t for pair in kv_caches for t in pair]
+        return self._kv_flat
+
+    def _on(self, ids: list[int]) -> list[int]:
+        return self._all_on if len(ids) == len(self._all_on) else [1] * len(ids)
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        rope: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn: AttentionMetadata,
+        layer_ids: Sequence[int] | None,
+        hidden_layer: int | None,
+        skip_attention: frozenset[int],
+        skip_mlp: frozenset[int],
+    ) -> tuple[bool, torch.Tensor | None]:
+        """Run the layers over ``hidden`` in place if the stack applies to this step.
+
+        Returns (whether it ran, hidden states after ``hidden_layer`` or None)."""
+        if len(attn.groups) != 1 or not isinstance(rope, torch.Tensor):
+            return False, None
+        group = attn.groups[0]
+        if group.kv_slots is None or group.query_index.shape[1] > SHORT_QUERY_LIMIT:
+            return False, None
+        if self._version != plans_version():
+            self._stack, self._version = self._build(), plans_version()
+        if not self._stack.supports(hidden.shape[0]):
+            return False, None
+        ids = self._all_layers if layer_ids is None else list(layer_ids)
+        captured = self._stack.forward(
+            hidden,
+            torch.view_as_real(rope),
+            attn.slot_mapping,
+            self._flat_caches(kv_caches),
+            group.query_index,
+            group.kv_slots,
+            group.mask,
+            group.valid,
+            attn.scale,
+            ids,
+            [int(i not in skip_attention) for i in ids] if skip_attention else self._on(ids),
+            [int(i not in skip_mlp) for i in ids] if skip_mlp else self._on(ids),
+            -1 if hidden_layer is None else hidden_layer,
+        )
+        return True, captured
