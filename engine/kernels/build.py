@@ -39,7 +39,10 @@ SOURCES = [
         "decoder_stack.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name("weight_rows.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("weight_rows.h", "vector_exp.h")]
+# -fno-trapping-math: no kernel reads floating-point exception flags, and without it GCC will not
+# if-convert the compares in vector_exp.h, so the loops calling it stay scalar.
+FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-trapping-math"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -54,6 +57,7 @@ def library_path() -> Path:
     """Where the compiled library for this source, torch and architecture lives."""
     key = hashlib.sha256(
         b"".join(s.read_bytes() for s in SOURCES + HEADERS)
+        + " ".join(FLAGS).encode()
         + torch.__version__.encode()
         + platform.machine().encode()
     ).hexdigest()[:16]
@@ -73,7 +77,7 @@ def _compile(out: Path) -> None:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         partial = Path(tmp) / out.name
         cmd = [
-            compiler, "-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp",
+            compiler, *FLAGS,
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", str(partial),
             f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}",
         ]  # fmt: skip

@@ -9,9 +9,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
+
+#include "vector_exp.h"
 
 namespace {
 
@@ -19,50 +22,97 @@ struct Geometry {
   int64_t heads, kv_heads, dim, keys, queries;
 };
 
-// q . k with 16 partial sums, which the compiler turns into vector lanes (a single running
-// sum is a chain of dependent adds it may not reorder). Inlined into each clone below.
+// q . k in GCC vector types: 16 lanes of partial sums (one AVX-512 register, two AVX2 ones in
+// that clone), folded in halves. Written as plain float loops this compiled to a scalar fold
+// that cost more than the products. Inlined into each clone below.
+typedef float Lanes16 __attribute__((vector_size(64)));
+typedef float Lanes8 __attribute__((vector_size(32)));
+typedef float Lanes4 __attribute__((vector_size(16)));
+
 inline float dot(const float* a, const float* b, int64_t n) {
-  float part[16] = {};
+  Lanes16 acc = {};
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16)
-    for (int j = 0; j < 16; ++j) part[j] += a[d + j] * b[d + j];
-  float s = 0.f;
-  for (int j = 0; j < 16; ++j) s += part[j];
+  for (; d + 16 <= n; d += 16) {
+    Lanes16 x, y;
+    std::memcpy(&x, a + d, sizeof x);
+    std::memcpy(&y, b + d, sizeof y);
+    acc += x * y;
+  }
+  const Lanes8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                    __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Lanes4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
+  float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
 }
 
-// One sequence (group member) and one query head: every query row of the member attends to
-// its visible keys. Cloned for AVX-512, AVX2 and baseline; the loader picks at run time.
+// out[0 .. 16 * N) = sum over visible keys l of p[l] * v[l], the sum held in registers.
+template <int N>
+__attribute__((always_inline)) inline void weigh_values(const float* p, const float* v_cache,
+                                                        const int64_t* slots, const bool* visible,
+                                                        int64_t kv_heads, int64_t kvh, int64_t L,
+                                                        float* out) {
+  Lanes16 acc[N] = {};
+  for (int64_t l = 0; l < L; ++l) {
+    if (visible && !visible[l]) continue;  // never read: its slot may hold anything
+    const float* vr = v_cache + (slots[l] * kv_heads + kvh) * 16 * N;
+    for (int i = 0; i < N; ++i) {
+      Lanes16 v;
+      std::memcpy(&v, vr + 16 * i, sizeof v);
+      acc[i] += p[l] * v;
+    }
+  }
+  std::memcpy(out, acc, sizeof acc);
+}
+
+// One sequence (group member) and one KV head: every query row of the member, for every query
+// head sharing that KV head, attends to its visible keys. Each key and value row is read once
+// for all those heads. Cloned for AVX-512, AVX2 and baseline; the loader picks at run time.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void attend_member_head(const float* q, const float* k_cache, const float* v_cache,
-                        const int64_t* rows, const int64_t* slots, const bool* mask,
-                        const bool* valid, Geometry g, int64_t h, float scale, float* out,
-                        float* scores) {
-  const int64_t D = g.dim, kvh = h / (g.heads / g.kv_heads);
+void attend_member_kv_head(const float* q, const float* k_cache, const float* v_cache,
+                           const int64_t* rows, const int64_t* slots, const bool* mask,
+                           const bool* valid, Geometry g, int64_t kvh, float scale, float* out,
+                           float* scores) {
+  const int64_t D = g.dim, group = g.heads / g.kv_heads, L = g.keys;
   for (int64_t j = 0; j < g.queries; ++j) {
     if (valid && !valid[j]) continue;
-    const float* qr = q + (rows[j] * g.heads + h) * D;
-    const bool* visible = mask ? mask + j * g.keys : nullptr;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < g.keys; ++l) {
-      if (visible && !visible[l]) continue;
+    const bool* visible = mask ? mask + j * L : nullptr;
+    const float* qr = q + (rows[j] * g.heads + kvh * group) * D;  // the group's heads, adjacent
+    float* o = out + (rows[j] * g.heads + kvh * group) * D;
+    for (int64_t l = 0; l < L; ++l) {
       const float* kr = k_cache + (slots[l] * g.kv_heads + kvh) * D;
-      scores[l] = dot(qr, kr, D) * scale;
-      best = std::max(best, scores[l]);
+      for (int64_t h = 0; h < group; ++h)
+        scores[h * L + l] = visible && !visible[l] ? -std::numeric_limits<float>::infinity()
+                                                   : dot(qr + h * D, kr, D) * scale;
     }
-    float* o = out + (rows[j] * g.heads + h) * D;
-    std::fill(o, o + D, 0.f);
-    float total = 0.f;
-    for (int64_t l = 0; l < g.keys; ++l) {
-      if (visible && !visible[l]) continue;
-      const float p = std::exp(scores[l] - best);
-      total += p;
-      const float* vr = v_cache + (slots[l] * g.kv_heads + kvh) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] += p * vr[d];
+    for (int64_t h = 0; h < group; ++h) {
+      float* s = scores + h * L;
+      float best = -std::numeric_limits<float>::infinity();
+      for (int64_t l = 0; l < L; ++l) best = std::max(best, s[l]);
+      float total = 0.f;
+      for (int64_t l = 0; l < L; ++l) {
+        s[l] = specserve_kernels::vector_exp(s[l] - best);  // exactly 0 for a masked key
+        total += s[l];
+      }
+      const float inv = 1.f / total;
+      for (int64_t l = 0; l < L; ++l) s[l] *= inv;
+      std::fill(o + h * D, o + (h + 1) * D, 0.f);
     }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    for (int64_t h = 0; h < group; ++h) {
+      const float* p = scores + h * L;
+      float* oh = o + h * D;
+      if (D == 64) {
+        weigh_values<4>(p, v_cache, slots, visible, g.kv_heads, kvh, L, oh);
+      } else if (D == 128) {
+        weigh_values<8>(p, v_cache, slots, visible, g.kv_heads, kvh, L, oh);
+      } else {
+        for (int64_t l = 0; l < L; ++l) {
+          if (visible && !visible[l]) continue;  // never read: its slot may hold anything
+          const float* vr = v_cache + (slots[l] * g.kv_heads + kvh) * D;
+          for (int64_t d = 0; d < D; ++d) oh[d] += p[l] * vr[d];
+        }
+      }
+    }
   }
 }
 
@@ -96,15 +146,15 @@ void cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     TORCH_CHECK(slots[i] >= 0 && slots[i] < k_cache.size(0), "cache slot ", slots[i], " out of range");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
                   out.sizes() == q.sizes(), "cache or output shape mismatch");
-  at::parallel_for(0, members * g.heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(g.keys);
+  at::parallel_for(0, members * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(g.heads / g.kv_heads * g.keys);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / g.heads, h = t % g.heads;
-      attend_member_head(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                         v_cache.data_ptr<float>(), rows + i * g.queries, slots + i * g.keys,
-                         m ? m + i * g.queries * g.keys : nullptr,
-                         ok ? ok + i * g.queries : nullptr, g, h, float(scale),
-                         out.data_ptr<float>(), scores.data());
+      const int64_t i = t / g.kv_heads, kvh = t % g.kv_heads;
+      attend_member_kv_head(q.data_ptr<float>(), k_cache.data_ptr<float>(),
+                            v_cache.data_ptr<float>(), rows + i * g.queries, slots + i * g.keys,
+                            m ? m + i * g.queries * g.keys : nullptr,
+                            ok ? ok + i * g.queries : nullptr, g, kvh, float(scale),
+                            out.data_ptr<float>(), scores.data());
     }
   });
 }
