@@ -226,7 +226,12 @@ AMX void float_scales(const void* src, bool f16, int64_t i, int64_t count, int64
     std::memcpy(dst, reinterpret_cast<const float*>(src) + i, count * sizeof(float));
     k = count;
   }
-  for (; k < count; ++k) dst[k] = scale_at(src, f16, i + k);
+  if (f16 && k < count) {  // the tail in one masked conversion, not a scalar one per value
+    const __mmask16 m = __mmask16((1u << (count - k)) - 1);
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src) + i + k;
+    _mm512_mask_storeu_ps(dst + k, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, h)));
+    k = count;
+  }
   for (; k < total; ++k) dst[k] = 0.f;
 }
 
