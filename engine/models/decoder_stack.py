@@ -85,7 +85,8 @@ class DecoderStack:
     def _flat_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):
         if kv_caches is not self._kv_source:  # the engine passes the same list every step
             self._kv_source = kv_caches
-            self._kv_flat = [t for pair in kv_caches for t in pair]
+            # A truncated draft copy runs on the target's cache: its first layers' pairs.
+            self._kv_flat = [t for pair in kv_caches[: len(self.layers)] for t in pair]
         return self._kv_flat
 
     def _on(self, ids: list[int]) -> list[int]:

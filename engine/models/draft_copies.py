@@ -1,10 +1,14 @@
 """Cheaper copies of a target model, to draft for it ("self" drafts).
 
 A copy shares the target's embeddings, norms and rope, and either holds its projections at a
-lower weight precision (int8 per output channel, int4 per group of 32 inputs, or bfloat16), or
-keeps only its first layers, or both. Weight reads bound a decode step, so halving or
-quartering the bytes read is what can make a copy cheap enough to draft; docs/benchmarks.md
-has what each one pays.
+lower weight precision (int8, int4 or bfloat16), or keeps only its first layers, or both.
+Weight reads bound a decode step, so halving or quartering the bytes read is what can make a
+copy cheap enough to draft; docs/benchmarks.md has what each one pays.
+
+Where the target runs the C++ kernels (float32 on the CPU), the copy's projections are stored
+weights in the kernels' layouts (``engine.models.draft_quantization``): the copy then multiplies
+with the same autotuned kernels and runs its layers through the decoder stack. Elsewhere the
+PyTorch layers below hold them (int8 per output channel, int4 per group of 32 inputs).
 """
 
 from __future__ import annotations
@@ -13,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models.autotune import autotune
+from engine.models.draft_quantization import STORED_QUANTIZERS
 from engine.models.linear import ONEDNN_BATCH_HINT, Linear
 from engine.models.llama import DecoderLayer, LlamaModel
+from engine.models.quantized_linear import QuantizedLinear
 
 
 class Int8Linear(nn.Module):
@@ -133,10 +140,13 @@ def dense_weight(linear: Linear) -> torch.Tensor:
         linear.bias = bias
 
 
-def _quantized(linear: Linear, quantization: str) -> nn.Module:
+def _quantized(linear: Linear, quantization: str, stored: bool) -> nn.Module:
     if quantization == "none":
         return linear
-    return QUANTIZERS[quantization](dense_weight(linear), linear.bias)
+    weight = dense_weight(linear)
+    if stored and not (quantization == "int8" and weight.shape[1] % 16):
+        return QuantizedLinear(STORED_QUANTIZERS[quantization](weight), linear.bias)
+    return QUANTIZERS[quantization](weight, linear.bias)
 
 
 def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int | None = None):
@@ -149,23 +159,27 @@ def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int |
     keep = target.arch.num_layers if num_layers is None else num_layers
     if not 1 <= keep <= target.arch.num_layers:
         raise ValueError(f"num_layers must be in [1, {target.arch.num_layers}], got {num_layers}")
+    # Stored layouts where the target runs the C++ kernels (their float32 CPU path).
+    stored = all(getattr(layer, "fused_ops", False) for layer in target.layers)
     layers = [
         DecoderLayer(
             target.arch,
             layer.input_norm,
-            _quantized(layer.qkv, quantization),
-            _quantized(layer.o, quantization),
+            _quantized(layer.qkv, quantization, stored),
+            _quantized(layer.o, quantization, stored),
             layer.post_attention_norm,
-            _quantized(layer.gate_up, quantization),
-            _quantized(layer.down, quantization),
+            _quantized(layer.gate_up, quantization, stored),
+            _quantized(layer.down, quantization, stored),
         )
         for layer in list(target.layers)[:keep]
     ]
-    return LlamaModel(
+    copy = LlamaModel(
         target.arch,
         target.rope,
         target.embed_tokens,
         layers,
         target.final_norm,
-        _quantized(target.lm_head, quantization),
+        _quantized(target.lm_head, quantization, stored),
     )
+    autotune(copy)  # plans for its stored weights (cached per shape, shared with the target's)
+    return copy
