@@ -366,14 +366,38 @@ AVX512 __attribute__((always_inline)) inline void i8_one_row_block(
 }
 
 // One row of x against weight rows n .. n + kOneRowTile - 1; y[n + r] for each.
+// 16 half-precision weights (k of them where k < 16) as float32.
+AVX512 inline __m512 halves16_avx512(const uint16_t* h, bool f16, __mmask16 k) {
+  const __m256i v = _mm256_maskz_loadu_epi16(k, h);
+  return f16 ? _mm512_cvtph_ps(v) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 AVX512 void one_row_tile_avx512(const WeightRows& w, int64_t n, const float* x, float* y, float* scratch) {
   constexpr int R = kOneRowTile;
   const int64_t G = w.groups, row_bytes = w.code_row_bytes;
-  const RowScales s = tile_scales_avx512<R>(w, n, scratch, scratch + R * G);
   const uint8_t* q = w.codes + n * row_bytes;
   prefetch_ahead(q, R * row_bytes);
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  if (w.kind == CodeKind::F16 || w.kind == CodeKind::BF16) {  // plain rows: convert and FMA
+    const bool f16 = w.kind == CodeKind::F16;
+    const auto mask = [&](int64_t k) -> __mmask16 {  // inputs k .. k + 15 that exist
+      return w.K - k >= 16 ? 0xFFFF : w.K <= k ? 0 : __mmask16((1u << (w.K - k)) - 1);
+    };
+    for (int64_t k = 0; k < w.K; k += 32) {
+      const __mmask16 m0 = mask(k), m1 = mask(k + 16);
+      const __m512 x0 = _mm512_maskz_loadu_ps(m0, x + k), x1 = _mm512_maskz_loadu_ps(m1, x + k + 16);
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(q + r * row_bytes) + k;
+        acc[r][0] = _mm512_fmadd_ps(x0, halves16_avx512(h, f16, m0), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(x1, halves16_avx512(h + 16, f16, m1), acc[r][1]);
+      }
+    }
+    _mm_storeu_ps(y + n, sum4_avx512(_mm512_add_ps(acc[0][0], acc[0][1]), _mm512_add_ps(acc[1][0], acc[1][1]),
+                                     _mm512_add_ps(acc[2][0], acc[2][1]), _mm512_add_ps(acc[3][0], acc[3][1])));
+    return;
+  }
+  const RowScales s = tile_scales_avx512<R>(w, n, scratch, scratch + R * G);
   if (w.kind == CodeKind::U4) {
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b < G; ++b) {
@@ -615,7 +639,7 @@ using DotRows = void (*)(const float*, int64_t, int64_t, const float*, float*, i
 // All rows of x against weight row n without a dequantized buffer (integer codes only).
 using FusedRow = void (*)(const WeightRows&, int64_t, const float*, int64_t, float*, int64_t, float*);
 using TiledRows = FusedRow;
-// One row of x against kOneRowTile weight rows from n (integer codes only).
+// One row of x against kOneRowTile weight rows from n.
 using OneRowTile = void (*)(const WeightRows&, int64_t, const float*, float*, float*);
 
 struct Isa {
@@ -730,7 +754,7 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   const bool fused = isa.fused && (w.kind == CodeKind::U4 || w.kind == CodeKind::I8);
   // Four weight rows share each loaded x vector (the tiled variant, where K allows).
   const bool tiled = tiled_variant && isa.tiled && K % 16 == 0;
-  const bool one_row = fused && M == 1 && isa.one_row;
+  const bool one_row = M == 1 && isa.one_row != nullptr;
   const int64_t step = tiled ? 4 : one_row ? kOneRowTile : 1;
   at::parallel_for(0, (N + step - 1) / step, std::max<int64_t>(kRowGrain / step, 1),
                    [&](int64_t begin, int64_t end) {
