@@ -28,11 +28,39 @@ SHORT_QUERY_LIMIT = 32
 
 @dataclass(frozen=True)
 class SequenceSlice:
-    """One sequence's part of a step: what is already cached and what is new."""
+    """One sequence's part of a step: what is already cached and what is new.
+
+    The new tokens are a chain (each follows the previous), or, with ``tree_parents``, a token
+    tree to verify: ``tree_parents[i]`` is the new token that token i follows (-1: it follows
+    the cached tokens). New token i's K/V go to the sequence's slot ``num_cached + i`` either way;
+    in a tree it sits at position ``num_cached + depth(i)`` and sees the cached tokens and its
+    own ancestors only.
+    """
 
     num_cached: int  # tokens whose K/V were in the cache before this step
     num_new: int  # tokens computed (and whose K/V are written) this step
     block_table: Sequence[int]
+    tree_parents: Sequence[int] | None = None
+
+
+def tree_depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each tree token (0: follows the cached tokens); parents precede children."""
+    depths: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"tree token {i} has parent {p}: parents must come first")
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def tree_ancestry(parents: Sequence[int]) -> torch.Tensor:
+    """[n, n] bool: entry (i, j) is True when tree token j is token i or one of its ancestors."""
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            seen[i] |= seen[p]
+    return seen
 
 
 @dataclass
@@ -81,7 +109,8 @@ def build_attention_metadata(
         positions = torch.arange(s.num_cached, s.num_cached + s.num_new)
         slot_parts.append(slots_for_positions(s.block_table, positions, block_size))
         rows = torch.arange(row, row + s.num_new)
-        if s.num_cached == 0 and s.num_new > 1:
+        # A tree always reads its keys back from the cache, with its own mask (_tree_visible).
+        if s.num_cached == 0 and s.num_new > 1 and s.tree_parents is None:
             groups.append(_fresh_prefill_group(rows, sliding_window))
         elif s.num_new <= SHORT_QUERY_LIMIT:
             short.append((s, rows))
@@ -103,6 +132,21 @@ def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None)
     seen = key_pos[None, :] <= query_pos[:, None]
     if window is not None:
         seen &= key_pos[None, :] > query_pos[:, None] - window
+    return seen
+
+
+def _tree_visible(s: SequenceSlice, window: int | None) -> torch.Tensor:
+    """[n, num_cached + n] bool for a tree step: every cached key, plus each token's own
+    ancestors among the new ones; the sliding window counts tree positions (cached + depth)."""
+    n = s.num_new
+    if len(s.tree_parents) != n:
+        raise ValueError(f"{len(s.tree_parents)} tree parents for {n} new tokens")
+    depth = torch.tensor(tree_depths(s.tree_parents))
+    cached = torch.ones(n, s.num_cached, dtype=torch.bool)
+    seen = torch.cat([cached, tree_ancestry(s.tree_parents)], 1)
+    if window is not None:
+        key_pos = torch.cat([torch.arange(s.num_cached), s.num_cached + depth])
+        seen &= key_pos[None, :] > (s.num_cached + depth)[:, None] - window
     return seen
 
 
@@ -133,8 +177,11 @@ def _cached_group(
         query_index[i, :n] = rows
         query_index[i, n:] = rows[0]
         kv_slots[i, :total] = slots_for_positions(s.block_table, key_pos[:total], block_size)
-        query_pos = torch.arange(s.num_cached, total)
-        mask[i, 0, :n] = _visible(query_pos, key_pos, window)
+        if s.tree_parents is None:
+            query_pos = torch.arange(s.num_cached, total)
+            mask[i, 0, :n] = _visible(query_pos, key_pos, window)
+        else:
+            mask[i, 0, :n, :total] = _tree_visible(s, window)
         mask[i, 0, n:, 0] = True  # padding rows see one key so softmax stays finite
         valid[i, :n] = True
     output_rows = torch.cat([rows for _, rows in members])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import SequenceSlice, build_attention_metadata
+from engine.attention import SequenceSlice, build_attention_metadata, tree_depths
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel
 
@@ -25,6 +25,9 @@ class ForwardItem:
     num_cached: int
     block_table: Sequence[int]
     num_logits: int  # logits for the last ``num_logits`` new tokens (0: a mid-prefill chunk)
+    # A token tree to verify instead of a chain (see engine.attention.SequenceSlice): token i
+    # follows token tree_parents[i] (-1: the cached tokens) and sits at num_cached + its depth.
+    tree_parents: Sequence[int] | None = None
 
 
 class ModelRunner:
@@ -44,9 +47,12 @@ class ModelRunner:
         for item in items:
             n = len(item.token_ids)
             input_ids.extend(item.token_ids)
-            positions.extend(range(item.num_cached, item.num_cached + n))
+            if item.tree_parents is None:
+                positions.extend(range(item.num_cached, item.num_cached + n))
+            else:
+                positions.extend(item.num_cached + d for d in tree_depths(item.tree_parents))
             logits_rows.extend(range(row + n - item.num_logits, row + n))
-            slices.append(SequenceSlice(item.num_cached, n, item.block_table))
+            slices.append(SequenceSlice(item.num_cached, n, item.block_table, item.tree_parents))
             row += n
         arch = self.model.arch
         attn = build_attention_metadata(

@@ -38,3 +38,9 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return self.storage.numel() * self.storage.element_size()
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """K/V of slots ``src`` into slots ``dst`` in every layer (the accepted path of a
+        verified token tree moved into the sequence's consecutive slots). Overlap is safe:
+        the sources are read before any destination is written."""
+        self.storage[:, :, dst] = self.storage[:, :, src]
