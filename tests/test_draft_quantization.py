@@ -22,7 +22,7 @@ def weight(n: int = 24, k: int = 96) -> torch.Tensor:
 def test_int8_blocks_of_16_round_to_within_half_a_step():
     w = weight()
     q = quantize_int8(w)
-    assert q.layout == "int8-float16-nomin" and q.shape == w.shape
+    assert q.layout == "int8x16-float16-nomin" and q.shape == w.shape
     step = q.scales.float().repeat_interleave(16, dim=1)
     assert ((dequantize_torch(q) - w).abs() <= step / 2 + 1e-6).all()
 

@@ -70,7 +70,7 @@ bool os_grants_amx() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-int64_t block_inputs(const WeightRows& w) { return w.kind == CodeKind::U4 ? 32 : 16; }
+int64_t block_inputs(const WeightRows& w) { return w.kind == CodeKind::U4 ? 32 : 16 << w.i8_shift; }
 
 AMX void configure_tiles(int64_t block) {
   TileConfig cfg;
@@ -203,13 +203,16 @@ AMX void unpack_weight_tiles(const WeightRows& w, int64_t f0, int64_t rows, uint
     const uint8_t* q = w.codes + (f0 + f) * w.code_row_bytes;
     for (int64_t b = 0; b < G; ++b) {
       uint16_t* dst = abuf + (b * kT + f) * block;
-      const __m128i bytes = _mm_loadu_si128((const __m128i*)(q + 16 * b));
       if (w.kind == CodeKind::U4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)(q + 16 * b));
         const __m512i words = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(bytes));
         _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_srlv_epi16(words, shift_v), table_v));
-      } else {  // int8 codes: every one is a bf16 number
+        continue;
+      }
+      for (int64_t piece = 0; piece < block / 16; ++piece) {  // int8: each code is a bf16 number
+        const __m128i bytes = _mm_loadu_si128((const __m128i*)(q + block * b + 16 * piece));
         const __m512 f32 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-        _mm256_storeu_si256((__m256i*)dst, (__m256i)_mm512_cvtneps_pbh(f32));
+        _mm256_storeu_si256((__m256i*)(dst + 16 * piece), (__m256i)_mm512_cvtneps_pbh(f32));
       }
     }
   }

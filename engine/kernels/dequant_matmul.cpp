@@ -9,7 +9,8 @@
 // Weight layouts (engine/models/weight_formats.py builds them from GGUF blocks):
 //   codes uint8 [N, K/2]  4-bit codes, blocks of 32: byte j of a block holds weights j (low
 //                         nibble) and j + 16 (high nibble); w = scale * code + min
-//   codes int8  [N, K]    8-bit codes, blocks of 16; w = scale * code (+ min if mins given)
+//   codes int8  [N, K]    8-bit codes, blocks of 16 or 32 (as many scales as blocks);
+//                         w = scale * code (+ min if mins given)
 //   codes half/bfloat16 [N, K]   plain half-precision rows (scales, mins empty)
 //   scales, mins          [N, K / block] float16 or float32 (mins may be empty)
 //
@@ -71,9 +72,10 @@ void dequant_row_portable(const WeightRows& w, int64_t n, float* out) {
       break;
     case CodeKind::I8: {
       const int8_t* s = reinterpret_cast<const int8_t*>(q);
-      for (int64_t b = 0; b < w.groups; ++b) {
-        const float d = scale_at(w.scales, w.scales_f16, g0 + b);
-        const float m = w.mins ? scale_at(w.mins, w.scales_f16, g0 + b) : 0.f;
+      for (int64_t b = 0; b < w.K / 16; ++b) {
+        const int64_t g = g0 + (b >> w.i8_shift);
+        const float d = scale_at(w.scales, w.scales_f16, g);
+        const float m = w.mins ? scale_at(w.mins, w.scales_f16, g) : 0.f;
         for (int j = 0; j < 16; ++j) out[16 * b + j] = float(s[16 * b + j]) * d + m;
       }
       break;
@@ -127,9 +129,10 @@ AVX512 void dequant_row_avx512(const WeightRows& w, int64_t n, float* out) {
       _mm512_storeu_ps(out + 32 * b + 16, _mm512_fmadd_ps(hi, d, m));
     }
   } else if (w.kind == CodeKind::I8) {
-    for (int64_t b = 0; b < w.groups; ++b) {
-      const __m512 d = scale16(w.scales, w.scales_f16, g0 + b);
-      const __m512 m = w.mins ? scale16(w.mins, w.scales_f16, g0 + b) : _mm512_setzero_ps();
+    for (int64_t b = 0; b < w.K / 16; ++b) {
+      const int64_t g = g0 + (b >> w.i8_shift);
+      const __m512 d = scale16(w.scales, w.scales_f16, g);
+      const __m512 m = w.mins ? scale16(w.mins, w.scales_f16, g) : _mm512_setzero_ps();
       const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
       _mm512_storeu_ps(out + 16 * b, _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, m));
     }
@@ -193,6 +196,7 @@ AVX512 void dot_rows_avx512(const float* x, int64_t M, int64_t K, const float* w
 struct RowScales {
   const float* d;
   const float* m;  // nullptr: no min
+  int shift = 0;   // 8-bit codes: piece p of 16 inputs uses scale p >> shift
 };
 
 AVX512 void halves_to_float_avx512(const void* src, int64_t count, float* dst) {
@@ -206,10 +210,10 @@ AVX512 RowScales row_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, 
   const int64_t g0 = n * w.groups;
   if (!w.scales_f16)
     return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr};
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
   halves_to_float_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, w.groups, dbuf);
   if (w.mins) halves_to_float_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, w.groups, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr};
+  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
 }
 
 // One 4-bit block: dequantize 32 weights in registers, accumulate into acc[r][2u], acc[r][2u+1].
@@ -230,13 +234,14 @@ AVX512 __attribute__((always_inline)) inline void u4_block_avx512(
   }
 }
 
-// One 8-bit block of 16 weights into acc[r][u].
+// One piece of 16 8-bit weights (piece b of the row) into acc[r][u].
 template <int MR, int A>
 AVX512 __attribute__((always_inline)) inline void i8_block_avx512(
     const uint8_t* q, RowScales s, int64_t b, const float* x, int64_t K, __m512 (&acc)[MR][A], int u) {
   const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
-  const __m512 d = _mm512_set1_ps(s.d[b]);
-  const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[b]))
+  const int64_t g = b >> s.shift;
+  const __m512 d = _mm512_set1_ps(s.d[g]);
+  const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[g]))
                         : _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
   for (int r = 0; r < MR; ++r)
     acc[r][u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + 16 * b), wv, acc[r][u]);
@@ -283,7 +288,7 @@ AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int
   const RowScales s = row_scales_avx512(w, n, scratch, scratch + w.groups);
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   prefetch_ahead(q, w.code_row_bytes);
-  const int64_t K = w.K, G = w.groups;
+  const int64_t K = w.K, G = w.kind == CodeKind::U4 ? w.groups : K / 16;  // blocks, or pieces
   const bool u4 = w.kind == CodeKind::U4;
   // Up to eight rows share one in-register dequantization (32 vector registers hold eight
   // rows' accumulators): a verification pass of k + 1 <= 8 tokens dequantizes each block once.
@@ -337,10 +342,10 @@ AVX512 RowScales tile_scales_avx512(const WeightRows& w, int64_t n, float* dbuf,
   const int64_t g0 = n * w.groups, count = R * w.groups;
   if (!w.scales_f16)
     return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr};
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
   halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
   if (w.mins) halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr};
+  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
 }
 
 // The four sums of a, b, c, d in lanes 0..3.
@@ -359,8 +364,9 @@ AVX512 inline __m128 sum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
 AVX512 __attribute__((always_inline)) inline void i8_one_row_block(
     const uint8_t* q, RowScales s, int64_t g0, int64_t b, const float* x, __m512& acc) {
   const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + 16 * b)));
-  const __m512 d = _mm512_set1_ps(s.d[g0 + b]);
-  const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[g0 + b]))
+  const int64_t g = g0 + (b >> s.shift);
+  const __m512 d = _mm512_set1_ps(s.d[g]);
+  const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[g]))
                         : _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
   acc = _mm512_fmadd_ps(_mm512_loadu_ps(x + 16 * b), wv, acc);
 }
@@ -409,14 +415,15 @@ AVX512 void one_row_tile_avx512(const WeightRows& w, int64_t n, const float* x, 
         acc[r][1] = _mm512_fmadd_ps(x1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table), acc[r][1]);
       }
     }
-  } else {  // 8-bit codes, blocks of 16; even and odd blocks keep two accumulators per row busy
+  } else {  // 8-bit codes in pieces of 16; even and odd pieces keep two accumulators per row busy
+    const int64_t P = w.K / 16;  // pieces of 16 inputs
     int64_t b = 0;
-    for (; b + 2 <= G; b += 2)
+    for (; b + 2 <= P; b += 2)
       for (int r = 0; r < R; ++r) {
         i8_one_row_block(q + r * row_bytes, s, r * G, b, x, acc[r][0]);
         i8_one_row_block(q + r * row_bytes, s, r * G, b + 1, x, acc[r][1]);
       }
-    if (b < G)
+    if (b < P)
       for (int r = 0; r < R; ++r) i8_one_row_block(q + r * row_bytes, s, r * G, b, x, acc[r][0]);
   }
   const __m128 sums = sum4_avx512(_mm512_add_ps(acc[0][0], acc[0][1]), _mm512_add_ps(acc[1][0], acc[1][1]),
@@ -489,9 +496,10 @@ AVX2 void dequant_row_avx2(const WeightRows& w, int64_t n, float* out) {
       }
     }
   } else if (w.kind == CodeKind::I8) {
-    for (int64_t b = 0; b < w.groups; ++b) {
-      const __m256 d = _mm256_set1_ps(scale_at(w.scales, w.scales_f16, g0 + b));
-      const __m256 m = _mm256_set1_ps(w.mins ? scale_at(w.mins, w.scales_f16, g0 + b) : 0.f);
+    for (int64_t b = 0; b < w.K / 16; ++b) {
+      const int64_t g = g0 + (b >> w.i8_shift);
+      const __m256 d = _mm256_set1_ps(scale_at(w.scales, w.scales_f16, g));
+      const __m256 m = _mm256_set1_ps(w.mins ? scale_at(w.mins, w.scales_f16, g) : 0.f);
       for (int half = 0; half < 2; ++half) {
         const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
         _mm256_storeu_ps(out + 16 * b + 8 * half, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m));
@@ -560,10 +568,10 @@ AVX2 RowScales row_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, floa
   const int64_t g0 = n * w.groups;
   if (!w.scales_f16)
     return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr};
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
   halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, w.groups, dbuf);
   if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, w.groups, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr};
+  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
 }
 
 // As the AVX-512 version with 8 lanes: a 4-bit block is four vectors (weights 0-7, 8-15, 16-23,
@@ -599,10 +607,10 @@ AVX2 void fused_i8_avx2(const uint8_t* q, RowScales s, int64_t G, const float* x
   __m256 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int u = 0; u < 4; ++u) acc[r][u] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < G; ++b) {
-    const __m256 d = _mm256_set1_ps(s.d[b]);
-    const __m256 m = s.m ? _mm256_set1_ps(s.m[b]) : _mm256_setzero_ps();
-    const int u = int(b & 1) * 2;  // alternate accumulator pairs between blocks
+  for (int64_t b = 0; b < G; ++b) {  // G: pieces of 16 inputs
+    const __m256 d = _mm256_set1_ps(s.d[b >> s.shift]);
+    const __m256 m = s.m ? _mm256_set1_ps(s.m[b >> s.shift]) : _mm256_setzero_ps();
+    const int u = int(b & 1) * 2;  // alternate accumulator pairs between pieces
     for (int half = 0; half < 2; ++half) {
       const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
       const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
@@ -620,7 +628,7 @@ AVX2 void fused_row_avx2(const WeightRows& w, int64_t n, const float* x, int64_t
   const RowScales s = row_scales_avx2(w, n, scratch, scratch + w.groups);
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   prefetch_ahead(q, w.code_row_bytes);
-  const int64_t K = w.K, G = w.groups;
+  const int64_t K = w.K, G = w.kind == CodeKind::U4 ? w.groups : K / 16;  // blocks, or pieces
   const bool u4 = w.kind == CodeKind::U4;
   int64_t m = 0;
   for (; m + 2 <= M; m += 2)
@@ -712,9 +720,12 @@ WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const 
     default: TORCH_CHECK(false, "unsupported code dtype ", codes.scalar_type());
   }
   if (w.kind == CodeKind::U4 || w.kind == CodeKind::I8) {
-    const int64_t block = w.kind == CodeKind::U4 ? 32 : 16;
+    // 4-bit codes: blocks of 32. 8-bit codes: blocks of 16 or 32, as the scales say.
+    const int64_t per_row = codes.size(0) ? scales.numel() / codes.size(0) : 0;
+    const int64_t block = w.kind == CodeKind::U4 ? 32 : per_row * 32 == w.K ? 32 : 16;
     TORCH_CHECK(w.K % block == 0, "K must be a multiple of ", block);
     w.groups = w.K / block;
+    w.i8_shift = w.kind == CodeKind::I8 && block == 32 ? 1 : 0;
     TORCH_CHECK(scales.is_contiguous() && scales.numel() == codes.size(0) * w.groups,
                 "scales must hold one value per block");
     TORCH_CHECK(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat,

@@ -18,6 +18,9 @@ struct WeightRows {
   bool scales_f16;
   int64_t groups;  // scale groups per row
   int64_t K;
+  // 8-bit codes come in blocks of 16 or 32 inputs (Q6_K's sub-blocks, Q8_0's blocks); the
+  // kernels walk them in pieces of 16, and piece p uses scale p >> i8_shift.
+  int i8_shift = 0;
 };
 
 inline float scale_at(const void* p, bool f16, int64_t i) {

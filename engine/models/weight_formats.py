@@ -9,9 +9,9 @@ product kernels read directly, so weights stay at (about) their stored size in m
 | Q4_0   | 4-bit, blocks of 32    | float16 d, -8d         | 0.625 (0.5625)                |
 | Q4_1   | 4-bit, blocks of 32    | float16 d, m           | 0.625 (0.625)                 |
 | Q4_K   | 4-bit, blocks of 32    | float32 d*sc, -dmin*m  | 0.75  (0.5625)                |
-| Q5_K   | 8-bit, blocks of 16    | float32 d*sc, -dmin*m  | 1.5   (0.6875)                |
+| Q5_K   | 8-bit, blocks of 32    | float32 d*sc, -dmin*m  | 1.25  (0.6875)                |
 | Q6_K   | 8-bit, blocks of 16    | float32 d*sc           | 1.25  (0.8203)                |
-| Q8_0   | 8-bit, blocks of 16    | float16 d              | 1.125 (1.0625)                |
+| Q8_0   | 8-bit, blocks of 32    | float16 d              | 1.0625 (1.0625)               |
 | F16, BF16 | the half words      | -                      | 2                             |
 
 The K-quants' 6-bit sub-block scales are multiplied out once at load (exactly: the products
@@ -49,9 +49,13 @@ class StoredWeight:
 
     @property
     def layout(self) -> str:
-        """What the kernels see: code type, scale type, min or not (formats may share one)."""
+        """What the kernels see: code type (8-bit codes with their block size), scale type,
+        min or not (formats may share one)."""
+        codes = str(self.codes.dtype).replace("torch.", "")
+        if self.codes.dtype == torch.int8:
+            codes += f"x{self.shape[1] // self.scales.shape[1]}"
         mins = "min" if self.mins.numel() else "nomin"
-        return f"{self.codes.dtype}-{self.scales.dtype}-{mins}".replace("torch.", "")
+        return f"{codes}-{self.scales.dtype}-{mins}".replace("torch.", "")
 
     def to(self, device: torch.device | str) -> StoredWeight:
         if self.codes.device == torch.device(device):
@@ -94,8 +98,8 @@ def dequantize_torch(w: StoredWeight) -> torch.Tensor:
     if w.codes.dtype == torch.uint8:
         packed = w.codes.reshape(n, -1, 16)
         codes = torch.cat([packed & 15, packed >> 4], dim=-1).float()  # [N, blocks, 32]
-    else:
-        codes = w.codes.reshape(n, -1, 16).float()
+    else:  # 8-bit codes in blocks of 16 or 32: as many blocks as scales
+        codes = w.codes.reshape(n, w.scales.shape[1], -1).float()
     out = codes * w.scales.float()[..., None]  # exact: scale * code fits float32
     if w.mins.numel():
         out = out + w.mins.float()[..., None]
@@ -112,11 +116,6 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _pack_nibbles(codes: np.ndarray) -> np.ndarray:
     """[..., 32] codes 0..15 -> [..., 16] bytes: low nibble = code j, high = code j + 16."""
     return (codes[..., :16] | (codes[..., 16:] << 4)).astype(np.uint8)
-
-
-def _per16(a: np.ndarray) -> np.ndarray:
-    """Per-32 values repeated for each half block of 16 (the 8-bit layout's block size)."""
-    return np.repeat(a, 2, axis=-1)
 
 
 def _weight(fmt, codes, scales, mins=None) -> StoredWeight:
@@ -139,7 +138,7 @@ def _q4_1(b: np.ndarray, n: int) -> StoredWeight:
 
 def _q8_0(b: np.ndarray, n: int) -> StoredWeight:
     d = b[:, :2].copy().view(np.float16)
-    return _weight("Q8_0", b[:, 2:].view(np.int8).reshape(n, -1), _per16(d).reshape(n, -1))
+    return _weight("Q8_0", b[:, 2:].view(np.int8).reshape(n, -1), d.reshape(n, -1))
 
 
 def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -171,7 +170,7 @@ def _q5_k(b: np.ndarray, n: int) -> StoredWeight:
     low = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 0x01
     codes = (low.reshape(-1, 8, 32) | (high << 4)).astype(np.int8)
-    return _weight("Q5_K", codes.reshape(n, -1), _per16(scale).reshape(n, -1), _per16(minimum).reshape(n, -1))  # noqa: E501
+    return _weight("Q5_K", codes.reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1))
 
 
 def _q6_k(b: np.ndarray, n: int) -> StoredWeight:
