@@ -109,3 +109,26 @@ def test_a_timed_pass_keeps_weights_whole_where_the_budget_allows(monkeypatch):
 def test_a_near_tie_goes_to_the_candidate_listed_first():
     assert autotune_module._winner({"kernel-avx512": 1.1, "kernel-avx2": 1.0}) == "kernel-avx512"
     assert autotune_module._winner({"kernel-avx512": 1.5, "kernel-avx2": 1.0}) == "kernel-avx2"
+
+
+@pytest.mark.parametrize("second_pass_agrees", [False, True])
+def test_a_later_listed_candidate_must_win_a_second_measurement(monkeypatch, second_pass_agrees):
+    # Scripted timings (no clocks): the first pass puts the second-listed candidate ahead; the
+    # confirmation either reverses that (noise) or agrees.
+    names = list(candidates(torch.device("cpu")))
+    if len(names) < 2:
+        pytest.skip("one candidate only")
+    first, second = names[0], names[1]
+    calls = []
+
+    def scripted(products, x, weights, rounds):
+        calls.append(list(products))
+        if len(calls) % 2 == 1:  # a bucket's first pass
+            return {n: 0.5 if n == second else 1.0 for n in products}
+        return {first: 1.0 if second_pass_agrees else 0.5, second: 0.5}
+
+    monkeypatch.setattr(autotune_module, "_time_candidates", scripted)
+    monkeypatch.setattr(autotune_module, "ROW_BUCKETS", (1,))
+    result = measure_group("k", layers())
+    assert calls[1] == [first, second]  # the confirmation times just the two
+    assert result.plan()[0][1] == (second if second_pass_agrees else first)
