@@ -132,3 +132,23 @@ def test_a_later_listed_candidate_must_win_a_second_measurement(monkeypatch, sec
     result = measure_group("k", layers())
     assert calls[1] == [first, second]  # the confirmation times just the two
     assert result.plan()[0][1] == (second if second_pass_agrees else first)
+
+
+def test_only_the_confirmed_pair_decides(monkeypatch):
+    # A third candidate that looked fast in the first pass but was never confirmed must not win
+    # when the confirmation goes to the first-listed candidate.
+    names = list(candidates(torch.device("cpu")))
+    if len(names) < 3:
+        pytest.skip("fewer than three candidates")
+    first, second, third = names[:3]
+    calls = []
+
+    def scripted(products, x, weights, rounds):
+        calls.append(list(products))
+        if len(calls) == 1:
+            return {n: {second: 0.5, third: 0.6}.get(n, 1.0) for n in products}
+        return {first: 1.0, second: 1.2}
+
+    monkeypatch.setattr(autotune_module, "_time_candidates", scripted)
+    monkeypatch.setattr(autotune_module, "ROW_BUCKETS", (1,))
+    assert measure_group("k", layers()).plan()[0][1] == first

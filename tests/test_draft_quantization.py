@@ -38,6 +38,15 @@ def test_int4_blocks_of_32_round_to_within_half_a_step():
         quantize_int4(weight(k=48))
 
 
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
+def test_small_weights_keep_their_size(quantize):
+    # Block scales in float16's subnormal range: codes must be computed with the stored scale.
+    w = weight() * 0.04  # std 0.002, amax about 0.008
+    q = quantize(w)
+    err = (dequantize_torch(q) - w).abs().max()
+    assert err <= 0.1 * w.abs().max()
+
+
 def test_bfloat16_copy_is_the_rounded_weight():
     w = weight()
     assert torch.equal(dequantize_torch(to_bfloat16(w)), w.to(torch.bfloat16).float())

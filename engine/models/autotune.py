@@ -56,9 +56,13 @@ class GroupResult:
     # Stored bytes one timed pass multiplied, per bucket (a slice of the weights for many rows).
     pass_bytes: dict[int, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
+    # Buckets decided by the second measurement (see measure_group), not by _winner.
+    chosen: dict[int, str] = field(default_factory=dict)
 
     def plan(self) -> list[tuple[int, str]]:
-        plan = [(rows, _winner(t)) for rows, t in sorted(self.seconds.items())]
+        plan = [
+            (rows, self.chosen.get(rows) or _winner(t)) for rows, t in sorted(self.seconds.items())
+        ]
         rows, name = plan[-1]
         plan[-1] = (1 << 62, name)  # the largest bucket's winner serves every larger count
         return plan
@@ -161,6 +165,9 @@ def measure_group(key: str, layers: list[QuantizedLinear]) -> GroupResult:
                 {n: products[n] for n in (first, best)}, x, weights, CONFIRM_ROUNDS
             )
             times.update(again)  # the second measurement stands for both
+            # Only the confirmed pair decides (a third candidate's first pass was not
+            # confirmed): the later-listed one wins only if it won again.
+            result.chosen[rows] = best if _winner(again) == best else first
         # Every candidate is measured at every bucket: the one far behind with one row
         # (dequantize-then-BLAS) is the one that wins with hundreds.
         result.seconds[rows] = times

@@ -24,9 +24,13 @@ def quantize_int8(weight: torch.Tensor) -> StoredWeight:
     if k % 16:
         raise ValueError(f"int8 needs in_features divisible by 16, got {k}")
     blocks = weight.float().reshape(n, k // 16, 16)
-    scales = (blocks.abs().amax(-1) / 127).to(torch.float16)
-    safe = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
-    codes = (blocks / safe).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    # Clamped before the float16 rounding, so codes are computed with exactly the stored scale
+    # (a scale in float16's subnormal range would otherwise shrink the block).
+    tiny = torch.finfo(torch.float16).tiny
+    scales = (blocks.abs().amax(-1) / 127).clamp_min(tiny).to(torch.float16)
+    codes = (
+        (blocks / scales.float()[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(n, k)
+    )
     return StoredWeight("int8", codes, scales, torch.empty(0, dtype=torch.float16))
 
 
@@ -36,9 +40,10 @@ def quantize_int4(weight: torch.Tensor) -> StoredWeight:
         raise ValueError(f"int4 needs in_features divisible by 32, got {k}")
     blocks = weight.float().reshape(n, k // 32, 32)
     low = blocks.amin(-1).to(torch.float16)
-    scales = ((blocks.amax(-1) - low.float()) / 15).to(torch.float16)
-    safe = scales.float().clamp_min(torch.finfo(torch.float16).tiny)[..., None]
-    codes = ((blocks - low.float()[..., None]) / safe).round().clamp(0, 15).to(torch.uint8)
+    tiny = torch.finfo(torch.float16).tiny  # as in quantize_int8
+    scales = ((blocks.amax(-1) - low.float()) / 15).clamp_min(tiny).to(torch.float16)
+    codes = ((blocks - low.float()[..., None]) / scales.float()[..., None]).round().clamp(0, 15)
+    codes = codes.to(torch.uint8)
     # byte j of a block holds code j (low nibble) and code j + 16 (high nibble)
     packed = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(n, k // 2)
     return StoredWeight("int4", packed, scales, low)
