@@ -35,7 +35,7 @@ ROUNDS = 4
 # Rounds of the second measurement a candidate listed after the first one must also win.
 CONFIRM_ROUNDS = 6
 # Part of the cache key: a change to how candidates are measured measures them again.
-PROCEDURE_VERSION = 2
+PROCEDURE_VERSION = 3
 # Multiply-adds per timed pass: above this, a pass uses fewer layers or a slice of one weight's
 # rows (many rows make a product compute-bound, so a part ranks the candidates as the whole would).
 PASS_BUDGET = 1 << 27
