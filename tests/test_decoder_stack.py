@@ -3,6 +3,8 @@ it applies (engine/models/decoder_stack.py)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+
 import pytest
 import torch
 
@@ -24,25 +26,35 @@ def gguf_model(request, tmp_path_factory):
     mp.undo()
 
 
+@contextmanager
+def stack_runs(model):
+    """Record, per forward of ``model``, whether its decoder stack ran."""
+    stack, ran = model.stack, []
+    run = stack.run
+
+    def spy(*args):
+        result = run(*args)
+        ran.append(result[0])
+        return result
+
+    stack.run = spy
+    try:
+        yield ran
+    finally:
+        del stack.run  # the class's method again
+
+
 def run_steps(model, tokens, chunks, use_stack: bool, **options):
     """Logits and captured hidden states of each chunk fed through ``model``, and whether the
     stack ran for each (with ``use_stack=False`` the model has no stack)."""
     a = model.arch
     cache = KVCache(a.num_layers, 64, 16, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
     table = list(range(63, 0, -1))
-    outs, ran, done = [], [], 0
+    outs, done = [], 0
     stack = model.stack
-
-    def spy(*args):
-        result = stack_run(*args)
-        ran.append(result[0])
-        return result
-
-    stack_run = stack.run
     model.stack = stack if use_stack else None
-    stack.run = spy
     try:
-        with torch.inference_mode():
+        with stack_runs(model) if use_stack else nullcontext([]) as ran, torch.inference_mode():
             for n in chunks:
                 meta = build_attention_metadata(
                     [SequenceSlice(done, n, table)], 16, a.head_dim, "cpu"
@@ -53,7 +65,6 @@ def run_steps(model, tokens, chunks, use_stack: bool, **options):
                 done += n
     finally:
         model.stack = stack
-        del stack.run  # the class's method again
     return outs, ran
 
 

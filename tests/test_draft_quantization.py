@@ -11,7 +11,7 @@ from engine.models.draft_copies import draft_copy
 from engine.models.draft_quantization import quantize_int4, quantize_int8, to_bfloat16
 from engine.models.quantized_linear import QuantizedLinear
 from engine.models.weight_formats import dequantize_torch
-from tests.test_decoder_stack import gguf_model  # noqa: F401  (fixture)
+from tests.test_decoder_stack import gguf_model, stack_runs  # noqa: F401  (fixture)
 from tests.tiny_models import TINY_VOCAB
 
 
@@ -62,10 +62,7 @@ def test_truncated_draft_copy_runs_through_its_stack_on_the_targets_cache(gguf_m
     cache = KVCache(a.num_layers, 64, 16, a.num_kv_heads, a.head_dim, torch.float32, "cpu")
     table = list(range(63, 0, -1))
     tokens = torch.randint(0, TINY_VOCAB, (9,), generator=torch.Generator().manual_seed(1))
-    ran = []
-    run = copy.stack.run
-    copy.stack.run = lambda *args: ran.append(run(*args)[0]) or (ran[-1], None)
-    with torch.inference_mode():
+    with stack_runs(copy) as ran, torch.inference_mode():
         for start, n in ((0, 8), (8, 1)):  # prefill (Python layers), then one decode step
             meta = build_attention_metadata([SequenceSlice(start, n, table)], 16, a.head_dim, "cpu")
             ids, positions = tokens[start : start + n], torch.arange(start, start + n)

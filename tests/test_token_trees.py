@@ -19,7 +19,7 @@ from engine.kernels.build import load_kernels
 from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.loader import load_model
-from tests.test_decoder_stack import gguf_model  # noqa: F401  (fixture)
+from tests.test_decoder_stack import gguf_model, stack_runs  # noqa: F401  (fixture)
 
 # Two alternatives for the first new token (0 and 5), branches below 0, and a chain 1 -> 3 -> 6.
 PARENTS = [-1, 0, 0, 1, 2, -1, 3]
@@ -111,17 +111,8 @@ def test_tree_step_on_dense_python_layers(tiny_model_dir):
 
 def test_tree_step_through_the_decoder_stack(gguf_model):  # noqa: F811
     assert gguf_model.stack is not None
-    ran = []
-    run = gguf_model.stack.run
-
-    def spy(*args):
-        result = run(*args)
-        ran.append(result[0])
-        return result
-
-    gguf_model.stack.run = spy
-    try:
+    with stack_runs(gguf_model) as ran:
         check_tree_step_and_compaction(gguf_model, gguf_model.arch.vocab_size)
-    finally:
-        del gguf_model.stack.run
-    assert True in ran  # the tree step and the decode after it went through the stack
+    # The prefix prefill and the fresh runs of each path stay in Python; the tree step and the
+    # decode after the compaction go through the stack.
+    assert ran[:2] == [False, True] and ran.count(True) == 2

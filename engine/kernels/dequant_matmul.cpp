@@ -199,20 +199,27 @@ struct RowScales {
   int shift = 0;   // 8-bit codes: piece p of 16 inputs uses scale p >> shift
 };
 
-AVX512 void halves_to_float_avx512(const void* src, int64_t count, float* dst) {
+// count float16 values to float32 (count need not be a multiple of 16).
+AVX512 void halves_to_float_masked_avx512(const void* src, int64_t count, float* dst) {
   const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
   int64_t i = 0;
   for (; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
-  for (; i < count; ++i) dst[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
+  if (i < count) {
+    const __mmask16 k = __mmask16((1u << (count - i)) - 1);
+    _mm512_mask_storeu_ps(dst + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)));
+  }
 }
 
-AVX512 RowScales row_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
-  const int64_t g0 = n * w.groups;
+// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values), so the
+// block loops broadcast them straight from memory.
+template <int R>
+AVX512 RowScales tile_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
+  const int64_t g0 = n * w.groups, count = R * w.groups;
   if (!w.scales_f16)
     return {reinterpret_cast<const float*>(w.scales) + g0,
             w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
-  halves_to_float_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, w.groups, dbuf);
-  if (w.mins) halves_to_float_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, w.groups, mbuf);
+  halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
+  if (w.mins) halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
   return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
 }
 
@@ -285,7 +292,7 @@ AVX512 void fused_i8_avx512(const uint8_t* q, RowScales s, int64_t G, const floa
 // All M rows of x against weight row n, in tiles of up to four rows.
 AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
                              int64_t ldy, float* scratch) {
-  const RowScales s = row_scales_avx512(w, n, scratch, scratch + w.groups);
+  const RowScales s = tile_scales_avx512<1>(w, n, scratch, scratch + w.groups);
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   prefetch_ahead(q, w.code_row_bytes);
   const int64_t K = w.K, G = w.kind == CodeKind::U4 ? w.groups : K / 16;  // blocks, or pieces
@@ -325,29 +332,6 @@ AVX512 void fused_row_avx512(const WeightRows& w, int64_t n, const float* x, int
 // chains the core overlaps, their scales convert in one vector pass, and their sums reduce
 // together), and the rows further ahead are prefetched so the stream from memory overlaps the
 // arithmetic instead of following it.
-// count float16 values to float32 (count need not be a multiple of 16).
-AVX512 void halves_to_float_masked_avx512(const void* src, int64_t count, float* dst) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
-  if (i < count) {
-    const __mmask16 k = __mmask16((1u << (count - i)) - 1);
-    _mm512_mask_storeu_ps(dst + i, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, h + i)));
-  }
-}
-
-// Scales (and mins) of weight rows n .. n + R - 1 as float32: R * G consecutive values.
-template <int R>
-AVX512 RowScales tile_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
-  const int64_t g0 = n * w.groups, count = R * w.groups;
-  if (!w.scales_f16)
-    return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
-  halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
-  if (w.mins) halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
-}
-
 // The four sums of a, b, c, d in lanes 0..3.
 AVX512 inline __m128 sum4_avx512(__m512 a, __m512 b, __m512 c, __m512 d) {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));

@@ -252,12 +252,13 @@ class LlamaModel(nn.Module):
             ran, captured = self.stack.run(
                 hidden, rope, kv_caches, attn, layer_ids, hidden_layer, skip_attention, skip_mlp
             )
-        for i in () if ran else range(len(self.layers)) if layer_ids is None else layer_ids:
-            hidden = self.layers[i](
-                hidden, rope, kv_caches[i], attn, i not in skip_attention, i not in skip_mlp
-            )
-            if i == hidden_layer:
-                captured = hidden.clone()  # later layers may update ``hidden`` in place
+        if not ran:
+            for i in range(len(self.layers)) if layer_ids is None else layer_ids:
+                hidden = self.layers[i](
+                    hidden, rope, kv_caches[i], attn, i not in skip_attention, i not in skip_mlp
+                )
+                if i == hidden_layer:
+                    captured = hidden.clone()  # later layers may update ``hidden`` in place
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
             if captured is not None:
