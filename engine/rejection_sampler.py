@@ -15,6 +15,9 @@ al. 2023):
   with probability p_j(x_j), otherwise draw from p_j with x_j's mass removed;
 - greedy rows accept while the draft is the argmax of p_j and emit the argmax where they stop.
 
+A run may also hand in a token tree (``DraftRun.parents``); ``engine.tree_verification`` holds
+the tree rules, which read exactly as these on a chain-shaped tree.
+
 Stopping (EOS, stop ids, max_tokens) is the caller's job: every chain is verified to its end.
 """
 
@@ -34,11 +37,17 @@ from engine.sampling import (
     process_logits,
     sample_from_probabilities,
 )
+from engine.tree_verification import (
+    path_to,
+    verify_tree_drawn,
+    verify_tree_greedy,
+    verify_tree_one_hot,
+)
 
 __all__ = ["DraftRun", "RejectionSampler", "VerifiedRun", "position_row"]
 
-# (number of accepted drafts m, the m + 1 emitted token ids) for one run.
-_Outcome = tuple[int, list[int]]
+# (the accepted drafts' indices, the emitted token ids: theirs and one more) for one run.
+_Outcome = tuple[list[int], list[int]]
 
 
 @dataclass
@@ -48,21 +57,28 @@ class DraftRun:
     `row` holds the request's parameters and its tokens before the drafts. `draft_probs` (`[k, V]`)
     is the drafter's distribution q at each draft position after the same processing as the
     target; None means a deterministic drafter, whose q is one-hot at each draft token. A None
-    `generator` draws from the shared module-level one.
+    `generator` draws from the shared module-level one. `parents` makes the drafts a token tree
+    (draft i follows draft parents[i], -1 the sequence's tokens); None is a chain.
     """
 
     row: SamplingRow
     draft_token_ids: Sequence[int]
     draft_probs: torch.Tensor | None = None
     generator: torch.Generator | None = None
+    parents: Sequence[int] | None = None
 
 
 @dataclass
 class VerifiedRun:
-    """`num_accepted` drafts, then one more token: `num_accepted + 1` tokens in all."""
+    """The accepted drafts (`path`, indices root to leaf: a chain's first `num_accepted`), then one
+    more token: `num_accepted + 1` tokens in all."""
 
-    num_accepted: int
+    path: list[int]
     tokens: list[SampledToken]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.path)
 
 
 class _History(Sequence[int]):
@@ -104,10 +120,17 @@ def position_row(
 
 
 def _position_rows(run: DraftRun) -> list[_PositionRow]:
+    """Position 0, then one per draft: the request as if the drafts leading there were emitted
+    (the first j of a chain, the path to the draft in a tree)."""
     row, drafts = run.row, run.draft_token_ids
+    if run.parents is None:
+        histories = [drafts[:j] for j in range(len(drafts) + 1)]
+    else:
+        paths = [path_to(run.parents, node) for node in range(-1, len(drafts))]
+        histories = [[drafts[i] for i in path] for path in paths]
     return [
-        position_row(row.sampling_params, row.prompt_token_ids, row.output_token_ids, drafts[:j])
-        for j in range(len(drafts) + 1)
+        position_row(row.sampling_params, row.prompt_token_ids, row.output_token_ids, history)
+        for history in histories
     ]
 
 
@@ -139,9 +162,13 @@ class RejectionSampler:
             return []
         rows = [row for run in runs for row in _position_rows(run)]
         processed = process_logits(target_logits, rows, self.eos_token_ids)
-        outcomes: list[_Outcome] = [(0, [])] * len(runs)
-        greedy = [i for i, run in enumerate(runs) if run.row.sampling_params.greedy]
-        sampled = [i for i, run in enumerate(runs) if not run.row.sampling_params.greedy]
+        outcomes: list[_Outcome] = [([], [])] * len(runs)
+        for i, run in enumerate(runs):
+            if run.parents is not None:
+                outcomes[i] = _verify_tree(processed, run, starts[i])
+        chains = [i for i, run in enumerate(runs) if run.parents is None]
+        greedy = [i for i in chains if runs[i].row.sampling_params.greedy]
+        sampled = [i for i in chains if not runs[i].row.sampling_params.greedy]
         one_hot = [i for i in sampled if runs[i].draft_probs is None]
         general = [i for i in sampled if runs[i].draft_probs is not None]
         for picked, verify in (
@@ -156,6 +183,18 @@ class RejectionSampler:
         return _with_logprobs(target_logits, runs, starts, outcomes)
 
 
+def _verify_tree(processed: torch.Tensor, run: DraftRun, start: int) -> _Outcome:
+    rows = processed[start : start + len(run.draft_token_ids) + 1]
+    drafts, parents = run.draft_token_ids, run.parents
+    if run.row.sampling_params.greedy:
+        outcome = verify_tree_greedy(rows, drafts, parents)
+    elif run.draft_probs is None:
+        outcome = verify_tree_one_hot(rows, drafts, parents, run.generator)
+    else:
+        outcome = verify_tree_drawn(rows, drafts, parents, run.draft_probs, run.generator)
+    return outcome.path, outcome.tokens
+
+
 def _run_starts(target_logits: torch.Tensor, runs: Sequence[DraftRun]) -> list[int]:
     """The first row of each run in `target_logits`, after checking that the shapes agree."""
     if target_logits.dim() != 2:
@@ -168,6 +207,8 @@ def _run_starts(target_logits: torch.Tensor, runs: Sequence[DraftRun]) -> list[i
             raise ValueError(
                 f"draft token ids must be in [0, {vocab_size}), got {run.draft_token_ids}"
             )
+        if run.parents is not None and len(run.parents) != k:
+            raise ValueError(f"{len(run.parents)} tree parents for {k} draft tokens")
         if run.draft_probs is not None and tuple(run.draft_probs.shape) != (k, vocab_size):
             shape = tuple(run.draft_probs.shape)
             raise ValueError(f"draft_probs must have shape ({k}, {vocab_size}), got {shape}")
@@ -190,7 +231,7 @@ def _verify_greedy(
         drafts = list(run.draft_token_ids)
         targets = best[start : start + len(drafts) + 1]
         m = _num_leading_true(d == t for d, t in zip(drafts, targets, strict=False))
-        outcomes.append((m, [*drafts[:m], targets[m]]))
+        outcomes.append((list(range(m)), [*drafts[:m], targets[m]]))
     return outcomes
 
 
@@ -221,7 +262,7 @@ def _verify_one_hot(
         m = _num_leading_true(
             d == t for d, t in zip(drafts, drawn[offset : offset + size], strict=False)
         )
-        outcomes.append((m, [*drafts[:m], drawn[offset + m]]))
+        outcomes.append((list(range(m)), [*drafts[:m], drawn[offset + m]]))
         # Consume only the uniforms of the m + 1 emitted tokens.
         generator.set_state(state)
         torch.rand(m + 1, generator=generator, dtype=torch.float64)
@@ -246,7 +287,7 @@ def _verify_sampled(
     last_uniforms = uniforms[[first + size - 1 for first, size in zip(local, sizes, strict=True)]]
     tokens = sample_from_probabilities(final, last_uniforms).tolist()
     return [
-        (m, [*run.draft_token_ids[:m], token])
+        (list(range(m)), [*run.draft_token_ids[:m], token])
         for run, m, token in zip(runs, accepted, tokens, strict=True)
     ]
 
@@ -320,12 +361,13 @@ def _with_logprobs(
     starts: Sequence[int],
     outcomes: Sequence[_Outcome],
 ) -> list[VerifiedRun]:
-    results = [VerifiedRun(m, [SampledToken(t) for t in tokens]) for m, tokens in outcomes]
+    results = [VerifiedRun(path, [SampledToken(t) for t in tokens]) for path, tokens in outcomes]
     wanted = [i for i, run in enumerate(runs) if run.row.sampling_params.logprobs is not None]
     if not wanted:
         return results
-    # As `Sampler` (vLLM's default): the raw model distribution at each emitted token's position.
-    rows = [starts[i] + t for i in wanted for t in range(len(results[i].tokens))]
+    # As `Sampler` (vLLM's default): the raw model distribution at each emitted token's position:
+    # the root's row, then the row after each accepted draft.
+    rows = [starts[i] + node + 1 for i in wanted for node in [-1, *results[i].path]]
     ids = [token.token_id for i in wanted for token in results[i].tokens]
     logprobs = torch.log_softmax(target_logits[rows].float(), dim=-1)
     ids_tensor = torch.tensor(ids, dtype=torch.long, device=logprobs.device)
