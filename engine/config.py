@@ -97,6 +97,8 @@ class DecoderConfig(_Strict):
     # ngram: the longest and shortest suffix n-gram looked up in the prompt and output.
     prompt_lookup_max: int = Field(4, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)
+    # ngram: earlier matches whose continuations are merged into a token tree (1: a chain).
+    prompt_lookup_candidates: int = Field(1, ge=1, le=16)
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     layerskip: LayerSkipConfig = Field(default_factory=LayerSkipConfig)
     hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)

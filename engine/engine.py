@@ -115,6 +115,7 @@ class Engine:
             self.eos_token_ids,
             self.max_model_len,
             TargetConfidenceGate(config.gate.min_target_prob),
+            self.kv_cache,
         )
 
     # ---- requests ----------------------------------------------------------------------

@@ -3,7 +3,12 @@ accept per sequence with the rejection sampler, roll the KV cache back past what
 
 Every sequence of the batch goes through the same pass: a sequence with drafts contributes its
 decode token plus k draft tokens and gets k + 1 rows of logits; one without drafts (or in
-prefill) is an ordinary row. Acceptance is counted per draft position, as vLLM reports it.
+prefill) is an ordinary row. Acceptance is counted per draft position (per depth in a tree), as
+vLLM reports it.
+
+A tree's drafts sit in the sequence's slots in proposal order, each at the position of its
+depth; after verification the accepted path's K/V are copied down into the consecutive slots
+after the decode token, so the cache holds the path as if it had been a chain.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.attention import slots_for_positions
 from engine.decoders import Decoder, Proposal
 from engine.decoders.gate import TargetConfidenceGate
-from engine.kv_cache import BlockManager
+from engine.kv_cache import BlockManager, KVCache
 from engine.model_runner import ForwardItem
 from engine.rejection_sampler import DraftRun, RejectionSampler
 from engine.sampling import SampledToken
@@ -65,11 +71,13 @@ class Speculator:
         eos_token_ids,
         max_model_len: int,
         gate: TargetConfidenceGate | None = None,
+        kv_cache: KVCache | None = None,
     ):
         self.decoders = decoders  # drafting decoders by name (autoregressive is not one)
         self.default_method = default_method
         self.num_speculative_tokens = num_speculative_tokens  # k unless a request sets its own
         self.block_manager = block_manager
+        self.kv_cache = kv_cache  # where accepted tree paths are compacted
         self.max_model_len = max_model_len
         self.gate = gate or TargetConfidenceGate(None)
         self.rejection_sampler = RejectionSampler(eos_token_ids)
@@ -112,6 +120,10 @@ class Speculator:
             count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
             if proposal is not None and count == 0:
                 del proposals[seq]
+            elif proposal is not None:
+                if proposal.parents is not None and self.kv_cache is None:
+                    raise ValueError(f"decoder of {seq.request_id} proposed a tree: no KV cache")
+                proposals[seq] = proposal.truncated(count)
             s.num_lookahead = count
         return proposals
 
@@ -137,11 +149,15 @@ class Speculator:
         items = []
         for s, completes in zip(scheduled, completing, strict=True):
             seq, start = s.seq, s.seq.num_computed_tokens
-            drafts = proposals[seq].token_ids[: s.num_lookahead] if s.num_lookahead else []
+            proposal = proposals[seq] if s.num_lookahead else None
+            drafts = proposal.token_ids if proposal else []
             tokens = seq.token_ids[start : start + s.num_new_tokens] + drafts
-            items.append(
-                ForwardItem(tokens, start, seq.block_table, len(drafts) + 1 if completes else 0)
-            )
+            tree = None
+            if proposal is not None and proposal.parents is not None:
+                # The decode token, then the drafts: draft i's parent p is item token p + 1.
+                tree = [-1] + [p + 1 for p in proposal.parents]
+            num_logits = len(drafts) + 1 if completes else 0
+            items.append(ForwardItem(tokens, start, seq.block_table, num_logits, tree))
         return items
 
     def verify(
@@ -162,15 +178,18 @@ class Speculator:
             if not completes:
                 continue
             seq, k = s.seq, s.num_lookahead
-            proposal = proposals.get(seq)
-            drafts = proposal.token_ids[:k] if k else []
-            q = proposal.draft_probs[:k] if k and proposal.draft_probs is not None else None
-            runs.append(DraftRun(seq, drafts, q, seq.generator))
+            p = proposals.get(seq) if k else None
+            if p is None:
+                runs.append(DraftRun(seq, [], None, seq.generator))
+            else:
+                runs.append(DraftRun(seq, p.token_ids, p.draft_probs, seq.generator, p.parents))
             seqs.append(s)
         verified = self.rejection_sampler(logits, runs)
         results, accepted = [], {}
         for s, run, v in zip(seqs, runs, verified, strict=True):
             k = len(run.draft_token_ids)
+            if run.parents is not None:
+                self._compact_path(s, v.path)
             if k:
                 decoder = self.decoder_of(s.seq)
                 decoder.on_verified(s.seq, proposals[s.seq], v.num_accepted)
@@ -182,11 +201,26 @@ class Speculator:
             self._observe_target_confidence(logits, runs, verified)
         return results, accepted
 
+    def _compact_path(self, s: ScheduledSequence, path: list[int]) -> None:
+        """Copy the K/V of the accepted drafts (tree indices ``path``) into the slots after the
+        step's tokens, where a chain's would be. Sources never precede their destinations (a
+        draft's index is at least its depth), so the copies cannot overwrite each other's."""
+        moves = [(depth, node) for depth, node in enumerate(path) if node != depth]
+        if not moves:
+            return
+        first = s.seq.num_computed_tokens + s.num_new_tokens  # draft i sat at slot first + i
+        dst = torch.tensor([first + depth for depth, _ in moves])
+        src = torch.tensor([first + node for _, node in moves])
+        table, size = s.seq.block_table, self.kv_cache.block_size
+        self.kv_cache.copy_slots(
+            slots_for_positions(table, src, size), slots_for_positions(table, dst, size)
+        )
+
     def _observe_target_confidence(self, logits, runs, verified) -> None:
         """The target's probability for each sequence's last emitted token, for the gate."""
         rows, ids, row = [], [], 0
         for run, v in zip(runs, verified, strict=True):
-            rows.append(row + v.num_accepted)
+            rows.append(row + (v.path[-1] + 1 if v.path else 0))  # the last token's row
             ids.append(v.tokens[-1].token_id)
             row += len(run.draft_token_ids) + 1
         if not rows:

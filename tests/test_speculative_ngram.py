@@ -1,4 +1,5 @@
-"""The ngram decoder through the engine: lossless under greedy and under sampling."""
+"""The ngram decoder through the engine: lossless under greedy and under sampling, proposing
+chains (one match) and token trees (several matches merged)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.decoders.ngram import find_continuation
+from engine.decoders.ngram import find_continuation, find_continuations, merge_into_tree
 from tests.stats import chi_square_p_value
 
 NGRAM = {
@@ -28,9 +29,30 @@ def test_find_continuation_prefers_the_longest_latest_match():
     assert find_continuation([4, 5, 6], 1, 2, 4) == []
 
 
+def test_find_continuations_lists_every_match_in_order_of_preference():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 2, 3]
+    # "2 3" at 5 then 1, then "3" at 6 and 2 (the same places, one token shorter).
+    assert find_continuations(tokens, 1, 2, 2, 8) == [[7, 8], [9, 1], [7, 8], [9, 1]]
+    assert find_continuations(tokens, 1, 2, 2, 1) == [[7, 8]]
+
+
+def test_merge_into_tree_keeps_the_most_travelled_nodes_parents_first():
+    found = [[1, 2, 3, 4], [1, 2, 5, 6], [7, 8], [1, 9]]
+    # "1" thrice, "1 2" twice; then the first continuation's nodes, then the second's.
+    assert merge_into_tree(found, 6) == ([1, 2, 3, 5, 4, 6], [-1, 0, 1, 1, 2, 3])
+    assert merge_into_tree(found, 3) == ([1, 2, 3], [-1, 0, 1])  # a chain
+    assert merge_into_tree([[4, 5], [6]], 3) == ([4, 6, 5], [-1, -1, 0])
+
+
+# Chains (the latest match only) and trees (four matches merged).
+@pytest.fixture(scope="module", params=[1, 4], ids=["chain", "tree"])
+def ngram_config(request) -> dict:
+    return {**NGRAM, "prompt_lookup_candidates": request.param}
+
+
 @pytest.fixture(scope="module")
-def engines(tiny_model_dir):
-    return LLM(model=str(tiny_model_dir)), LLM(model=str(tiny_model_dir), decoder=NGRAM)
+def engines(tiny_model_dir, ngram_config):
+    return LLM(model=str(tiny_model_dir)), LLM(model=str(tiny_model_dir), decoder=ngram_config)
 
 
 def assert_all_blocks_free(llm: LLM) -> None:
@@ -49,12 +71,33 @@ def test_greedy_ngram_equals_autoregressive_alone_and_batched(engines):
     assert_all_blocks_free(ngram)
 
 
-def test_greedy_ngram_with_preemption_and_small_budget(tiny_model_dir, engines):
+def test_trees_are_proposed_and_their_accepted_paths_compacted(tiny_model_dir, monkeypatch):
+    ar = LLM(model=str(tiny_model_dir))
+    ngram = LLM(model=str(tiny_model_dir), decoder={**NGRAM, "prompt_lookup_candidates": 4})
+    speculator = ngram.engine.speculator
+    moved, compact = [], speculator._compact_path
+    monkeypatch.setattr(
+        speculator, "_compact_path", lambda s, path: (moved.append(path), compact(s, path))
+    )
+    # Logprobs too: the tiny model's argmax can survive a stale K/V, its probabilities cannot.
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=0)
+    expected = ar.generate(PROMPTS, params)
+    got = ngram.generate(PROMPTS, params)
+    for a, b in zip(expected, got, strict=True):
+        assert b.token_ids == a.token_ids
+        logprobs = [t.logprob for t in b.outputs[0].logprobs]
+        assert logprobs == pytest.approx([t.logprob for t in a.outputs[0].logprobs], abs=1e-4)
+    # Some accepted path left the first branch, so its K/V really were copied down.
+    assert any(node != depth for path in moved for depth, node in enumerate(path))
+    assert_all_blocks_free(ngram)
+
+
+def test_greedy_ngram_with_preemption_and_small_budget(tiny_model_dir, engines, ngram_config):
     ar, _ = engines
     expected = [o.token_ids for o in ar.generate(PROMPTS, GREEDY)]
     small = LLM(
         model=str(tiny_model_dir),
-        decoder=NGRAM,
+        decoder=ngram_config,
         kv_cache={"num_blocks": 12, "enable_prefix_caching": False},
         scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
     )
@@ -144,16 +187,18 @@ def test_sampled_ngram_matches_the_target_distribution(engines, params, monkeypa
     """A false alarm has probability 1e-4 per token position checked (two per case)."""
     _, ngram = engines
     speculator = ngram.engine.speculator
-    # A random model's first token rarely has a prompt match: draft a fixed, plausible token
+    # A random model's first token rarely has a prompt match: draft fixed, plausible tokens
     # for every sequence so that every second token really goes through verification.
-    monkeypatch.setitem(speculator.decoders, "ngram", AlwaysDrafts())
+    tree = speculator.decoders["ngram"].candidates > 1
+    monkeypatch.setitem(speculator.decoders, "ngram", AlwaysDrafts(tree))
     runs_before = speculator.stats.num_drafts
     prompt = [5, 6, 7, 8, 9] * 4 + [5, 6]
     draws = 3000
-    # max_tokens=3: the first token comes from the prefill, the second from verifying a
-    # one-token draft (accepted, or drawn from the rest of p), the third is the bonus.
+    # max_tokens=4: the first token comes from the prefill, the second from verifying two
+    # drafts (a chain 7, 7, or two siblings 7 and 9 in a tree): accepted, or drawn from the
+    # rest of p.
     sampled = SamplingParams(
-        **{**params.__dict__, "n": draws, "max_tokens": 3, "ignore_eos": True, "seed": 1}
+        **{**params.__dict__, "n": draws, "max_tokens": 4, "ignore_eos": True, "seed": 1}
     )
     out = ngram.generate([prompt], sampled)[0]
     first_p, second_p = exact_two_token_distribution(ngram, prompt, sampled)
@@ -166,9 +211,13 @@ def test_sampled_ngram_matches_the_target_distribution(engines, params, monkeypa
 
 
 class AlwaysDrafts:
-    """Test drafter: proposes token 7 for every sequence (one-hot q, like ngram)."""
+    """Test drafter: proposes token 7 for every sequence (one-hot q, like ngram); as a tree,
+    the siblings 7 and 9, each followed by 7s."""
 
     name = "ngram"
+
+    def __init__(self, tree: bool = False):
+        self.tree = tree
 
     def plan(self, seqs, max_drafts):
         return {s: k for s, k in max_drafts.items() if k > 0}
@@ -176,7 +225,15 @@ class AlwaysDrafts:
     def propose(self, seqs, num_drafts):
         from engine.decoders import Proposal
 
-        return {s: Proposal([7] * num_drafts[s]) for s in seqs}
+        proposals = {}
+        for s in seqs:
+            n = num_drafts[s]
+            if not self.tree:
+                proposals[s] = Proposal([7] * n)
+                continue
+            parents = [-1, -1, 0, 1][:n] + list(range(2, n - 2))
+            proposals[s] = Proposal(([7, 9] + [7] * n)[:n], parents=parents)
+        return proposals
 
     def on_verified(self, seq, proposal, num_accepted):
         pass

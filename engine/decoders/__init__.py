@@ -12,7 +12,9 @@ DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical")
 def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> Decoder:
     """The decoder called ``name``, configured by ``config``."""
     if name == "ngram":
-        return NgramDecoder(config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramDecoder(
+            config.prompt_lookup_min, config.prompt_lookup_max, config.prompt_lookup_candidates
+        )
     if name == "draft":
         from engine.decoders.draft import build_draft_decoder
 

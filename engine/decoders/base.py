@@ -21,16 +21,32 @@ if TYPE_CHECKING:
 
 @dataclass
 class Proposal:
-    """Draft tokens for one sequence: a chain continuing its tokens."""
+    """Draft tokens for one sequence: a chain continuing its tokens, or a token tree."""
 
     token_ids: list[int]
     # The drafter's distributions q after the target's processing, [k, vocab]; None for a
-    # deterministic drafter (q is one-hot at each draft token) and for greedy requests.
+    # deterministic drafter (q is one-hot at each draft token) and for greedy requests. In a
+    # tree, row i is the q that draft i was drawn from, independently of its earlier siblings.
     draft_probs: torch.Tensor | None = None
     # Per draft token, how sure the drafter was: its top-1 probability and its entropy (nats).
     # A deterministic drafter is sure (1.0, 0.0); window policies read these.
     confidences: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
+    # A token tree: draft i follows draft parents[i] (-1: the sequence's last token); parents
+    # come before their children, siblings in order of preference. None: a chain.
+    parents: list[int] | None = None
+
+    def truncated(self, count: int) -> Proposal:
+        """The first ``count`` drafts (still a tree: parents come first)."""
+        if count >= len(self.token_ids):
+            return self
+        return Proposal(
+            self.token_ids[:count],
+            self.draft_probs[:count] if self.draft_probs is not None else None,
+            self.confidences[:count],
+            self.entropies[:count],
+            self.parents[:count] if self.parents is not None else None,
+        )
 
     @classmethod
     def drawn(cls, token_ids, q_rows, confidences, entropies) -> Proposal:
