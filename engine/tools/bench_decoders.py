@@ -144,6 +144,11 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
     truncated = max(1, min(TRUNCATED_LAYERS, num_layers - 1))
     return [
         Variant("ngram", {"method": "ngram"}),
+        Variant("ngram-tree4", {"method": "ngram", "prompt_lookup_candidates": 4}),
+        Variant(
+            "ngram-tree4-k8",
+            {"method": "ngram", "prompt_lookup_candidates": 4, "num_speculative_tokens": 8},
+        ),
         Variant("draft-int8", draft()),
         Variant("draft-int4", draft("int4")),
         Variant("draft-bf16", draft("bfloat16")),

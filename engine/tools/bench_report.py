@@ -69,6 +69,8 @@ def describe(config: DecoderConfig) -> str:
         parts.append(f"draft {d.model} ({d.quantization}, {layers})")
     if config.method == "ngram":
         parts.append(f"n-grams {config.prompt_lookup_min}-{config.prompt_lookup_max}")
+        if config.prompt_lookup_candidates > 1:
+            parts.append(f"trees of up to {config.prompt_lookup_candidates} matches")
     if config.method == "layerskip":
         s = config.layerskip
         parts.append(
