@@ -32,7 +32,7 @@ class SchedulerConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2)
 
 
-DecoderName = Literal["autoregressive", "ngram", "draft", "layerskip", "hierarchical"]
+DecoderName = Literal["autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa"]
 
 
 class DraftModelConfig(_Strict):
@@ -45,6 +45,13 @@ class DraftModelConfig(_Strict):
     quantization: Literal["none", "bfloat16", "int8", "int4"] = "int8"
     # Keep only the first N layers (then the final norm and LM head); None keeps all.
     num_layers: int | None = Field(None, ge=1)
+
+
+class MedusaConfig(_Strict):
+    """The ``medusa`` decoder's trained heads: a drafter directory (``specserve train medusa``
+    writes one); None takes the drafter shipped for the model, if one is."""
+
+    drafter: str | None = None
 
 
 class LayerSkipConfig(_Strict):
@@ -102,6 +109,7 @@ class DecoderConfig(_Strict):
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     layerskip: LayerSkipConfig = Field(default_factory=LayerSkipConfig)
     hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
+    medusa: MedusaConfig = Field(default_factory=MedusaConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 

@@ -258,9 +258,14 @@ class Engine:
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
         else:
             items = self.speculator.forward_items(scheduled, completing, proposals)
-            logits = self.runner.run(items)
+            hidden = None
+            if self.speculator.reads_target_hidden:
+                out = self.runner.forward(items, hidden_layer=self.model.arch.num_layers - 1)
+                logits, hidden = out.logits, out.hidden_states
+            else:
+                logits = self.runner.run(items)
             emitted, accepted_drafts = self.speculator.verify(
-                logits, scheduled, completing, proposals
+                logits, scheduled, completing, proposals, hidden
             )
         for s in scheduled:
             # The step's tokens and the drafts that stood are in the cache; slots of rejected

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import SequenceSlice, build_attention_metadata, tree_depths
 from engine.kv_cache import KVCache
-from engine.models.llama import LlamaModel
+from engine.models.llama import LlamaModel, ModelOutput
 
 
 @dataclass
@@ -36,12 +36,17 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
 
-    @torch.inference_mode()
     def run(self, items: Sequence[ForwardItem], **model_options) -> torch.Tensor:
         """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order.
 
         ``model_options`` go to the model's forward (layer subsets and skips of self drafts).
         """
+        return self.forward(items, **model_options).logits
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem], **model_options) -> ModelOutput:
+        """As ``run``, returning the model's output: the logits, and with ``hidden_layer`` the
+        hidden states after that layer for the same rows."""
         input_ids, positions, logits_rows, slices = [], [], [], []
         row = 0
         for item in items:
@@ -58,7 +63,7 @@ class ModelRunner:
         attn = build_attention_metadata(
             slices, self.kv_cache.block_size, arch.head_dim, self.device, arch.sliding_window
         )
-        out = self.model(
+        return self.model(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             self.kv_cache.layers,
@@ -66,4 +71,3 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
             **model_options,
         )
-        return out.logits

@@ -84,6 +84,11 @@ class Speculator:
         self.stats = SpecDecodeStats()  # all decoders together
         self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
 
+    @property
+    def reads_target_hidden(self) -> bool:
+        """Whether a loaded decoder drafts from the target's hidden states."""
+        return any(d.reads_target_hidden for d in self.decoders.values())
+
     def decoder_of(self, seq: Sequence) -> Decoder | None:
         method = seq.speculative.method if seq.speculative is not None else self.default_method
         return self.decoders.get(method)
@@ -166,10 +171,12 @@ class Speculator:
         scheduled: list[ScheduledSequence],
         completing: list[bool],
         proposals: dict[Sequence, Proposal],
+        hidden: torch.Tensor | None = None,
     ) -> tuple[list[tuple[Sequence, list[SampledToken]]], dict[Sequence, int]]:
         """Accept drafts: returns each completing sequence's new tokens, and how many of each
         drafting sequence's drafts stood (the engine marks them computed, with the step's
-        tokens, and releases the rest).
+        tokens, and releases the rest). ``hidden``: the target's last hidden states of the
+        logits rows, for decoders that read them.
 
         Call after the forward pass and before the sequences' token counts move on.
         """
@@ -197,8 +204,15 @@ class Speculator:
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
             accepted[s.seq] = v.num_accepted
-        if self.gate.enabled:
-            self._observe_target_confidence(logits, runs, verified)
+        if self.gate.enabled or hidden is not None:
+            rows = _last_token_rows(runs, verified)
+            if self.gate.enabled:
+                self._observe_target_confidence(logits, runs, verified, rows)
+            if hidden is not None:
+                for run, row in zip(runs, rows, strict=True):
+                    decoder = self.decoder_of(run.row)
+                    if decoder is not None and decoder.reads_target_hidden:
+                        decoder.observe_target_hidden(run.row, hidden[row])
         return results, accepted
 
     def _compact_path(self, s: ScheduledSequence, path: list[int]) -> None:
@@ -216,16 +230,22 @@ class Speculator:
             slots_for_positions(table, src, size), slots_for_positions(table, dst, size)
         )
 
-    def _observe_target_confidence(self, logits, runs, verified) -> None:
+    def _observe_target_confidence(self, logits, runs, verified, rows) -> None:
         """The target's probability for each sequence's last emitted token, for the gate."""
-        rows, ids, row = [], [], 0
-        for run, v in zip(runs, verified, strict=True):
-            rows.append(row + (v.path[-1] + 1 if v.path else 0))  # the last token's row
-            ids.append(v.tokens[-1].token_id)
-            row += len(run.draft_token_ids) + 1
         if not rows:
             return
+        ids = [v.tokens[-1].token_id for v in verified]
         probs = torch.softmax(logits[rows].float(), dim=-1)
         chosen = probs[torch.arange(len(rows)), torch.tensor(ids)].tolist()
         for run, p in zip(runs, chosen, strict=True):
             self.gate.observe(run.row, p)
+
+
+def _last_token_rows(runs: list[DraftRun], verified) -> list[int]:
+    """Each run's logits row that gave its last emitted token: its root row, or the row of
+    its last accepted draft."""
+    rows, row = [], 0
+    for run, v in zip(runs, verified, strict=True):
+        rows.append(row + (v.path[-1] + 1 if v.path else 0))
+        row += len(run.draft_token_ids) + 1
+    return rows

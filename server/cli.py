@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from server.cli_bench import add_bench_parser
 from server.cli_generate import add_generate_parser
 from server.cli_serve import add_serve_parser
+from server.cli_train import add_train_parser
 from server.cli_tune import add_tune_parser
 
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(subparsers)
     add_serve_parser(subparsers)
     add_tune_parser(subparsers)
+    add_train_parser(subparsers)
     return parser
 
 

@@ -24,7 +24,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoder",
         help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
-        "layerskip or hierarchical",
+        "layerskip, hierarchical or medusa",
     )
     p.add_argument(
         "--extra-decoders",
@@ -43,6 +43,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         help='the draft decoder\'s model: "self" (a cheaper copy of the target, the default) '
         "or a model sharing the target's tokenizer (name, directory, .gguf or hub id)",
     )
+    p.add_argument(
+        "--drafter",
+        help="trained drafter directory of the medusa decoder (default: the one shipped for "
+        "the model; `specserve train medusa` writes one)",
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -58,6 +63,8 @@ def engine_config_from_args(args: argparse.Namespace):
         decoder["extra_methods"] = [m.strip() for m in args.extra_decoders.split(",") if m.strip()]
     if args.draft_model:
         decoder["draft"] = {**config.decoder.draft.model_dump(), "model": args.draft_model}
+    if getattr(args, "drafter", None):
+        decoder["medusa"] = {"drafter": args.drafter}
     decoder = {k: v for k, v in decoder.items() if v is not None}
     if decoder:
         overrides["decoder"] = decoder

@@ -22,7 +22,7 @@ from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling import probabilities, process_logits
 from tests.stats import chi_square_p_value
-from tests.tiny_models import save_perturbed_copy, save_tiny_model
+from tests.tiny_models import save_medusa_drafter, save_perturbed_copy, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -50,11 +50,11 @@ PARAMS = {
 # prompt lookup). "separate": a draft model with its own KV cache (the target plus noise), the
 # hierarchy's level 1 being its first layer, and an entropy window (tau inside the model's
 # range of entropies) that may stop a chain at one draft. tau2 above every entropy keeps
-# level 2 drafting to k.
+# level 2 drafting to k. "medusa": random heads whose two drafts are siblings (a tree).
 DECODERS = {
     "self": {
         "method": "ngram",
-        "extra_methods": ["draft", "layerskip", "hierarchical"],
+        "extra_methods": ["draft", "layerskip", "hierarchical", "medusa"],
         "draft": {"model": "self", "quantization": "int8"},
         "layerskip": {"skip_attention": [1], "skip_mlp": [2]},
         "hierarchical": {"level1": "ngram", "tau2": 10.0},
@@ -72,6 +72,7 @@ CASES = {
     "draft-self-int8": ("self", "draft"),
     "layerskip": ("self", "layerskip"),
     "hierarchical-ngram": ("self", "hierarchical"),
+    "medusa-tree": ("self", "medusa"),
     "draft-separate": ("separate", "draft"),
     "hierarchical-draft_truncated": ("separate", "hierarchical"),
 }
@@ -89,8 +90,12 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
     draft_dir = save_perturbed_copy(
         target_dir, tmp_path_factory.mktemp("small-draft") / "llama", 0.01
     )
+    # Random heads: trees whose siblings the target often rejects, so every rule is exercised.
+    medusa = save_medusa_drafter(target_dir, tmp_path_factory.mktemp("medusa") / "d", scale=0.5)
     built = {}
     for name, spec in DECODERS.items():
+        if "medusa" in spec.get("extra_methods", []):
+            spec = {**spec, "medusa": {"drafter": str(medusa)}}
         draft = spec["draft"]
         if draft["model"] == "separate":
             spec = {**spec, "draft": {**draft, "model": str(draft_dir)}}
@@ -199,8 +204,8 @@ def run_case(engines, exact, case, params_name, requests, monkeypatch) -> None:
     # accepted and rejected (so both the acceptance test and the residual were sampled).
     assert drafts >= DRAWS and 0 < accepted < draft_tokens
     # A model drafter samples its drafts and hands q to the rejection sampler; prompt lookup's
-    # drafts are deterministic (q one-hot, passed as None).
-    assert num_with_q == (0 if method == "ngram" else drafts)
+    # and Medusa's drafts are deterministic (q one-hot, passed as None).
+    assert num_with_q == (0 if method in ("ngram", "medusa") else drafts)
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))

@@ -6,7 +6,7 @@ from engine.decoders.base import Decoder, Proposal, TargetContext
 from engine.decoders.ngram import NgramDecoder
 from engine.speculative_options import SpeculativeOptions
 
-DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical")
+DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa")
 
 
 def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> Decoder:
@@ -27,6 +27,10 @@ def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> De
         from engine.decoders.hierarchical import HierarchicalDecoder
 
         return HierarchicalDecoder(config, target)
+    if name == "medusa":
+        from engine.decoders.medusa import build_medusa_decoder
+
+        return build_medusa_decoder(config, target)
     if name == "autoregressive":
         return Decoder()
     raise ValueError(f"unknown decoder {name!r}; known: {', '.join(DECODERS)}")

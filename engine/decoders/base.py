@@ -59,6 +59,9 @@ class Decoder:
     """Plain autoregressive decoding: no drafts. Drafting decoders override the hooks."""
 
     name = "autoregressive"
+    # Drafters on the target's features (Medusa heads) set this: each step then also returns
+    # the target's last hidden states, and ``observe_target_hidden`` gets each sequence's.
+    reads_target_hidden = False
 
     def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
         """How many draft slots each of ``seqs`` (each in decode state: one uncomputed token)
@@ -73,6 +76,11 @@ class Decoder:
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """The target accepted the first ``num_accepted`` drafts of ``proposal``."""
+
+    def observe_target_hidden(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """The target's last-layer hidden state (before the final norm) at the position whose
+        logits gave ``seq``'s newest token: its next decode token's predecessor. Called after
+        every step that gave ``seq`` tokens, when ``reads_target_hidden``."""
 
 
 @dataclass

@@ -143,10 +143,29 @@ def dense_weight(linear: Linear) -> torch.Tensor:
 def _quantized(linear: Linear, quantization: str, stored: bool) -> nn.Module:
     if quantization == "none":
         return linear
-    weight = dense_weight(linear)
+    return _quantize_weight(dense_weight(linear), linear.bias, quantization, stored)
+
+
+def _quantize_weight(weight, bias, quantization: str, stored: bool) -> nn.Module:
     if stored and not (quantization == "int8" and weight.shape[1] % 16):
-        return QuantizedLinear(STORED_QUANTIZERS[quantization](weight), linear.bias)
-    return QUANTIZERS[quantization](weight, linear.bias)
+        return QuantizedLinear(STORED_QUANTIZERS[quantization](weight), bias)
+    return QUANTIZERS[quantization](weight, bias)
+
+
+def runs_kernels(target: LlamaModel) -> bool:
+    """Whether ``target``'s layers run the C++ kernels (their float32 CPU path)."""
+    return all(getattr(layer, "fused_ops", False) for layer in target.layers)
+
+
+def quantized_dense(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, target: LlamaModel
+) -> nn.Module:
+    """A linear of a dense ``weight`` at ``quantization`` precision (int8, int4, bfloat16), in
+    the kernels' stored layout where ``target`` runs them (autotuned), for a drafter's own
+    projections."""
+    module = _quantize_weight(weight, bias, quantization, runs_kernels(target))
+    autotune(module)
+    return module
 
 
 def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int | None = None):
@@ -159,8 +178,7 @@ def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int |
     keep = target.arch.num_layers if num_layers is None else num_layers
     if not 1 <= keep <= target.arch.num_layers:
         raise ValueError(f"num_layers must be in [1, {target.arch.num_layers}], got {num_layers}")
-    # Stored layouts where the target runs the C++ kernels (their float32 CPU path).
-    stored = all(getattr(layer, "fused_ops", False) for layer in target.layers)
+    stored = runs_kernels(target)  # then stored layouts, for the same kernels
     layers = [
         DecoderLayer(
             target.arch,

@@ -236,6 +236,7 @@ class LlamaModel(nn.Module):
         hidden_layer: int | None = None,
         skip_attention: frozenset[int] = frozenset(),
         skip_mlp: frozenset[int] = frozenset(),
+        compute_logits: bool = True,
     ) -> ModelOutput:
         """Run a flattened batch.
 
@@ -243,7 +244,8 @@ class LlamaModel(nn.Module):
         ``layer_ids`` runs only a subset of layers (layer skipping); ``hidden_layer`` also
         returns the hidden states after that layer (for early exit and draft heads), for the
         rows selected by ``logits_indices``. ``skip_attention`` and ``skip_mlp`` name layers
-        whose attention or MLP sublayer is skipped.
+        whose attention or MLP sublayer is skipped. ``compute_logits=False`` skips the LM head
+        (drafter training reads only hidden states).
         """
         hidden = self.embed(input_ids)
         rope = self.rope.lookup(positions)
@@ -263,4 +265,5 @@ class LlamaModel(nn.Module):
             hidden = hidden.index_select(0, logits_indices)
             if captured is not None:
                 captured = captured.index_select(0, logits_indices)
-        return ModelOutput(logits=self.logits(hidden), hidden_states=captured)
+        logits = self.logits(hidden) if compute_logits else None
+        return ModelOutput(logits=logits, hidden_states=captured)

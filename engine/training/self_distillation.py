@@ -1,0 +1,102 @@
+"""Self-distillation data: the target's own answers to our prompts, and its hidden states along
+them.
+
+A drafter is right when it guesses what the target would say next, so it learns from text the
+target wrote: each prompt is answered by our engine (batched; greedy by default, as the
+greedy output is what a lossless drafter must match most often), and one teacher-forced pass
+over prompt + answer gives the target's final-normed last-layer hidden state at every answer
+position (what a feature-level drafter reads when drafting).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import SequenceSlice, build_attention_metadata
+from engine.kv_cache import KVCache
+from engine.models.llama import rms_norm
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class Answers:
+    """Token ids of prompt + answer per conversation, and where each answer starts."""
+
+    sequences: list[list[int]]
+    answer_starts: list[int]
+
+    @property
+    def num_answer_tokens(self) -> int:
+        return sum(len(s) - a for s, a in zip(self.sequences, self.answer_starts, strict=True))
+
+
+def generate_answers(
+    llm,
+    prompts: list[str | list[int]],
+    max_tokens: int,
+    temperature: float,
+    batch: int,
+    progress=None,
+) -> Answers:
+    """Answer each prompt with ``llm``, ``batch`` at a time: a text is a user message (the chat
+    template applied), a list of token ids is the model's input as it is."""
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
+    sequences, starts = [], []
+    for first in range(0, len(prompts), batch):
+        part = prompts[first : first + batch]
+        inputs = [llm.render_chat([{"role": "user", "content": p}]) if isinstance(p, str) else p
+                  for p in part]  # fmt: skip
+        for out in llm.generate(inputs, params):
+            sequences.append(list(out.prompt_token_ids) + list(out.token_ids))
+            starts.append(len(out.prompt_token_ids))
+        if progress is not None:
+            progress(len(part))
+    return Answers(sequences, starts)
+
+
+@torch.inference_mode()
+def answer_features(model, answers: Answers, batch_tokens: int = 4096, progress=None):
+    """[rows, d] final-normed last-layer hidden states, with each row's sequence index and
+    position: one row per position from each answer's last prompt token to its second-to-last
+    token (the positions whose next token is an answer token)."""
+    arch = model.arch
+    block = 16
+    features, owners, where = [], [], []
+    order = list(range(len(answers.sequences)))
+    while order:
+        group, total = [], 0
+        while order and (not group or total + len(answers.sequences[order[0]]) <= batch_tokens):
+            group.append(order.pop(0))
+            total += len(answers.sequences[group[-1]])
+        blocks = [(len(answers.sequences[i]) + block - 1) // block for i in group]
+        geometry = (arch.num_layers, sum(blocks), block, arch.num_kv_heads, arch.head_dim)
+        cache = KVCache(*geometry, model.dtype, "cpu")
+        slices, ids, positions, rows, first_block, row = [], [], [], [], 0, 0
+        for i, nb in zip(group, blocks, strict=True):
+            tokens = answers.sequences[i]
+            slices.append(SequenceSlice(0, len(tokens), list(range(first_block, first_block + nb))))
+            ids += tokens
+            positions += range(len(tokens))
+            start = answers.answer_starts[i]
+            rows += range(row + start - 1, row + len(tokens) - 1)
+            owners += [i] * (len(tokens) - start)
+            where += range(start - 1, len(tokens) - 1)
+            first_block += nb
+            row += len(tokens)
+        meta = build_attention_metadata(slices, block, arch.head_dim, "cpu", arch.sliding_window)
+        out = model(
+            torch.tensor(ids),
+            torch.tensor(positions),
+            cache.layers,
+            meta,
+            logits_indices=torch.tensor(rows),
+            hidden_layer=arch.num_layers - 1,
+            compute_logits=False,
+        )
+        hidden = out.hidden_states.float()
+        features.append(rms_norm(hidden, model.final_norm.float(), arch.rms_norm_eps))
+        if progress is not None:
+            progress(len(group))
+    return torch.cat(features), torch.tensor(owners), torch.tensor(where)

@@ -1,0 +1,233 @@
+"""``specserve train medusa``: Medusa-1 heads on the frozen target, by self-distillation.
+
+1. Data: our own prompts (``engine.training.prompts``) answered by the target, and its hidden
+   states along the answers (``engine.training.self_distillation``); cached in the output
+   directory, so ``--resume`` (or a second run) skips it.
+2. Draft vocabulary: the answer tokens the target writes most, covering nearly all of them.
+3. Training: head j learns the token j + 2 places after each position (cross-entropy on the
+   target's own continuation, which for greedy answers is its argmax), read out through the
+   target's frozen LM head rows of the draft vocabulary. Adam; a checkpoint after every epoch.
+4. Held-out: each head's top-i accuracy on answers to prompts it never saw; they rank the
+   decoder's tree (``engine.decoders.medusa.rank_tree``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from engine.decoders.medusa import MedusaDrafter, MedusaHeads, rank_tree, target_signature
+from engine.training.prompts import train_and_held_out
+from engine.training.self_distillation import answer_features, generate_answers
+
+DATA_FILE, CHECKPOINT_FILE = "data.pt", "checkpoint.pt"
+
+
+@dataclass
+class MedusaTrainOptions:
+    output: Path
+    num_prompts: int = 480
+    num_held_out: int = 48
+    max_tokens: int = 192
+    temperature: float = 0.0
+    num_heads: int = 3
+    draft_vocab_size: int = 4096
+    top_k: int = 4  # candidates per head whose accuracy is measured (the tree's widest fan-out)
+    epochs: int = 4
+    batch_size: int = 256
+    learning_rate: float = 1e-3
+    generation_batch: int = 32
+    seed: int = 0
+    resume: bool = False
+    # Prompts instead of the built-in set: (training, held-out), texts (user messages) or token
+    # id lists (the model's input as it is).
+    prompts: tuple[list, list] | None = None
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True)
+
+
+def _data(llm, options: MedusaTrainOptions) -> dict:
+    """Answers and features for the training and held-out prompts, from the cache if there."""
+    path = options.output / DATA_FILE
+    wanted = {k: getattr(options, k) for k in ("num_prompts", "num_held_out", "max_tokens")}
+    wanted |= {"temperature": options.temperature, "seed": options.seed}
+    wanted |= {"prompts": options.prompts}
+    if path.is_file():
+        data = torch.load(path, weights_only=False)
+        if data["options"] == wanted:
+            print(f"data: cached in {path}")
+            return data
+    train_prompts, held_prompts = options.prompts or train_and_held_out(
+        options.num_prompts, options.num_held_out, options.seed
+    )
+    data = {"options": wanted}
+    for split, prompts in (("train", train_prompts), ("held_out", held_prompts)):
+        with _progress(len(prompts), f"{split}: answering") as bar:
+            answers = generate_answers(
+                llm, prompts, options.max_tokens, options.temperature,
+                options.generation_batch, bar.update,
+            )  # fmt: skip
+        with _progress(len(prompts), f"{split}: hidden states") as bar:
+            features, owners, positions = answer_features(
+                llm.engine.model, answers, progress=bar.update
+            )
+        data[split] = {
+            "sequences": answers.sequences,
+            "features": features.to(torch.float16),
+            "owners": owners,
+            "positions": positions,
+        }
+    options.output.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def head_labels(split: dict, num_heads: int) -> torch.Tensor:
+    """[rows, heads] token ids: head j's label at a row (position t) is token t + 2 + j; -1
+    past the sequence's end."""
+    sequences = split["sequences"]
+    labels = torch.full((len(split["owners"]), num_heads), -1, dtype=torch.long)
+    owners, positions = split["owners"].tolist(), split["positions"].tolist()
+    for r, (i, t) in enumerate(zip(owners, positions, strict=True)):
+        tokens = sequences[i]
+        for j in range(num_heads):
+            if t + 2 + j < len(tokens):
+                labels[r, j] = tokens[t + 2 + j]
+    return labels
+
+
+def draft_vocabulary(labels: torch.Tensor, size: int) -> torch.Tensor:
+    """The ``size`` most frequent label tokens, most frequent first."""
+    counts = torch.bincount(labels[labels >= 0])
+    size = min(size, int((counts > 0).sum()))
+    return counts.topk(size).indices
+
+
+def to_vocab_index(labels: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
+    """Labels as readout rows; -100 (ignored by the loss) outside the draft vocabulary."""
+    index = torch.full((int(max(labels.max(), vocab.max())) + 1,), -100, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    out = torch.full_like(labels, -100)
+    valid = labels >= 0
+    out[valid] = index[labels[valid]]
+    return out
+
+
+def _logits(heads: MedusaHeads, readout: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    return heads(features.float()) @ readout.T  # [heads, B, V']
+
+
+@torch.no_grad()
+def top_accuracies(heads, readout, features, targets, top_k: int, batch: int = 1024):
+    """[heads][i]: how often the i-th candidate of each head is the label (rows whose label
+    is past the end are left out; labels outside the vocabulary count as misses)."""
+    num_heads = heads.num_heads
+    hits = torch.zeros(num_heads, top_k)
+    seen = torch.zeros(num_heads)
+    for first in range(0, len(features), batch):
+        logits = _logits(heads, readout, features[first : first + batch])
+        top = logits.topk(top_k, dim=-1).indices  # [heads, B, k]
+        rows = targets[first : first + batch].T  # [heads, B]
+        present = rows != -1
+        hits += ((top == rows[..., None]) & present[..., None]).sum(dim=1).float()
+        seen += present.sum(dim=1).float()
+    return (hits / seen.clamp_min(1)[:, None]).tolist()
+
+
+def run_train_medusa(llm, options: MedusaTrainOptions) -> MedusaDrafter:
+    from engine.models.draft_copies import dense_weight
+
+    started = time.monotonic()
+    torch.manual_seed(options.seed)
+    model = llm.engine.model
+    data = _data(llm, options)
+    train_labels = head_labels(data["train"], options.num_heads)
+    held_labels = head_labels(data["held_out"], options.num_heads)
+    vocab = draft_vocabulary(train_labels, options.draft_vocab_size)
+    covered = torch.isin(train_labels[train_labels >= 0], vocab).float().mean().item()
+    print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
+    readout = dense_weight(model.lm_head)[vocab].float()
+    train_targets = to_vocab_index(train_labels, vocab)
+    held_targets = to_vocab_index(held_labels, vocab)
+    # Accuracy counts a label outside the vocabulary as a miss: keep its id (never predicted).
+    held_for_accuracy = torch.where(held_targets == -100, len(vocab), held_targets)
+    held_for_accuracy[held_labels == -1] = -1
+    features = data["train"]["features"]
+
+    heads = MedusaHeads(options.num_heads, model.arch.hidden_size)
+    optimizer = torch.optim.Adam(heads.parameters(), lr=options.learning_rate)
+    first_epoch = 0
+    checkpoint = options.output / CHECKPOINT_FILE
+    if options.resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        heads.load_state_dict(state["heads"])
+        optimizer.load_state_dict(state["optimizer"])
+        first_epoch = state["epoch"]
+        print(f"resumed after epoch {first_epoch}")
+    epoch_losses = []
+    loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
+    steps = (len(features) + options.batch_size - 1) // options.batch_size
+    for epoch in range(first_epoch, options.epochs):
+        order = torch.randperm(len(features), generator=torch.Generator().manual_seed(epoch))
+        total = 0.0
+        with _progress(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
+            for step in range(steps):
+                rows = order[step * options.batch_size : (step + 1) * options.batch_size]
+                logits = _logits(heads, readout, features[rows])  # [heads, B, V']
+                targets = train_targets[rows].T  # [heads, B]
+                loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                total += loss.item()
+                bar.update()
+                bar.set_postfix(loss=f"{total / (step + 1):.3f}")
+        epoch_losses.append(round(total / steps, 4))
+        torch.save(
+            {"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
+            checkpoint,
+        )
+    accuracies = top_accuracies(
+        heads, readout, data["held_out"]["features"], held_for_accuracy, options.top_k
+    )
+    for j, row in enumerate(accuracies):
+        print(f"held-out head {j + 1} (token +{j + 2}): top-i accuracy " + ", ".join(
+            f"{a:.1%}" for a in row))  # fmt: skip
+    for n in (4, 8, 16):
+        tree = rank_tree(accuracies, n)
+        expected = sum(_path_value(accuracies, path) for path in tree)
+        print(f"expected accepted drafts per step, tree of {n} nodes: {expected:.2f}")
+    drafter = MedusaDrafter(
+        heads,
+        vocab,
+        accuracies,
+        target_signature(model),
+        {
+            "command": "specserve train medusa",
+            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
+            "data": "answers of the target itself to specserve's own prompts "
+            "(engine/training/prompts.py)",
+            "training_answer_tokens": int(len(features)),
+            "resumed_after_epoch": first_epoch,
+            "epoch_losses": epoch_losses,
+            "minutes": round((time.monotonic() - started) / 60, 1),
+        },
+    )
+    drafter.save(options.output)
+    print(f"drafter written to {options.output} ({(time.monotonic() - started) / 60:.1f} min)")
+    return drafter
+
+
+def _path_value(accuracies, path) -> float:
+    value = 1.0
+    for depth, i in enumerate(path):
+        value *= accuracies[depth][i]
+    return value
