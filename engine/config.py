@@ -32,7 +32,9 @@ class SchedulerConfig(_Strict):
     max_model_len: int | None = Field(None, ge=2)
 
 
-DecoderName = Literal["autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa"]
+DecoderName = Literal[
+    "autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra"
+]
 
 
 class DraftModelConfig(_Strict):
@@ -47,9 +49,9 @@ class DraftModelConfig(_Strict):
     num_layers: int | None = Field(None, ge=1)
 
 
-class MedusaConfig(_Strict):
-    """The ``medusa`` decoder's trained heads: a drafter directory (``specserve train medusa``
-    writes one); None takes the drafter shipped for the model, if one is."""
+class TrainedDrafterConfig(_Strict):
+    """A trained decoder's drafter (``medusa``, ``hydra``): a directory that ``specserve train
+    KIND`` writes; None takes the drafter shipped for the model, if one is."""
 
     drafter: str | None = None
 
@@ -109,7 +111,8 @@ class DecoderConfig(_Strict):
     draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
     layerskip: LayerSkipConfig = Field(default_factory=LayerSkipConfig)
     hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
-    medusa: MedusaConfig = Field(default_factory=MedusaConfig)
+    medusa: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
+    hydra: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 

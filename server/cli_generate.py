@@ -24,7 +24,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoder",
         help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
-        "layerskip, hierarchical or medusa",
+        "layerskip, hierarchical, medusa or hydra",
     )
     p.add_argument(
         "--extra-decoders",
@@ -45,8 +45,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drafter",
-        help="trained drafter directory of the medusa decoder (default: the one shipped for "
-        "the model; `specserve train medusa` writes one)",
+        help="trained drafter directory of the --decoder (medusa or hydra; default: the one "
+        "shipped for the model; `specserve train medusa|hydra` writes one)",
     )
 
 
@@ -64,7 +64,10 @@ def engine_config_from_args(args: argparse.Namespace):
     if args.draft_model:
         decoder["draft"] = {**config.decoder.draft.model_dump(), "model": args.draft_model}
     if getattr(args, "drafter", None):
-        decoder["medusa"] = {"drafter": args.drafter}
+        trained = args.decoder or config.decoder.method
+        if trained not in ("medusa", "hydra"):
+            raise ValueError("--drafter needs --decoder medusa or hydra")
+        decoder[trained] = {"drafter": args.drafter}
     decoder = {k: v for k, v in decoder.items() if v is not None}
     if decoder:
         overrides["decoder"] = decoder

@@ -8,9 +8,9 @@ from pathlib import Path
 from server.cli_generate import add_model_arguments, engine_config_from_args
 
 
-def _cmd_train_medusa(args: argparse.Namespace) -> int:
+def _cmd_train_heads(args: argparse.Namespace) -> int:
     from engine.llm import LLM
-    from engine.training.train_medusa import MedusaTrainOptions, run_train_medusa
+    from engine.training.train_heads import HeadsTrainOptions, run_train_heads
 
     if min(args.num_prompts, args.held_out, args.max_tokens, args.heads, args.epochs) < 1:
         raise ValueError("--num-prompts, --held-out, --max-tokens, --heads, --epochs must be >= 1")
@@ -21,7 +21,8 @@ def _cmd_train_medusa(args: argparse.Namespace) -> int:
         if len(lines) <= args.held_out:
             raise ValueError(f"{args.prompts}: {len(lines)} prompts, need more than --held-out")
         prompts = (lines[: -args.held_out], lines[-args.held_out :])
-    options = MedusaTrainOptions(
+    options = HeadsTrainOptions(
+        kind=args.train,
         output=Path(args.output),
         num_prompts=args.num_prompts,
         num_held_out=args.held_out,
@@ -39,42 +40,49 @@ def _cmd_train_medusa(args: argparse.Namespace) -> int:
         decoder={"method": "autoregressive", "extra_methods": []},
         scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
     )
-    run_train_medusa(LLM(config=config), options)
+    run_train_heads(LLM(config=config), options)
     return 0
 
 
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a drafter for the model (self-distillation)")
     which = p.add_subparsers(dest="train", metavar="DRAFTER", required=True)
-    medusa = which.add_parser(
-        "medusa",
-        help="train Medusa heads and write a drafter directory",
+    descriptions = {
+        "medusa": "K Medusa heads learn the tokens 2..K+1 places ahead from the hidden state",
+        "hydra": "K Hydra heads learn the tokens 2..K+1 places ahead from the hidden state and "
+        "the tokens before each (sequentially dependent heads)",
+    }
+    for kind, what in descriptions.items():
+        _add_heads_parser(which, kind, what)
+
+
+def _add_heads_parser(which, kind: str, what: str) -> None:
+    p = which.add_parser(
+        kind,
+        help=f"train {kind} heads and write a drafter directory",
         description=(
             "Self-distillation: the model answers specserve's own training prompts, one "
             "teacher-forced pass takes its hidden states along the answers (both cached in "
-            "--output), and K Medusa heads learn the tokens 2..K+1 places ahead through the "
-            "model's frozen LM head cut to a draft vocabulary. Checkpoints every epoch "
-            "(--resume), held-out accuracy per head at the end, and a directory that "
-            "`--decoder medusa --drafter DIR` loads."
+            f"--output), and {what}, read out through the model's frozen LM head cut to a "
+            "draft vocabulary. Checkpoints every epoch (--resume), held-out accuracy per head "
+            f"at the end, and a directory that `--decoder {kind} --drafter DIR` loads."
         ),
     )
-    add_model_arguments(medusa)
-    medusa.add_argument("--output", required=True, help="drafter directory to write")
-    medusa.add_argument(
+    add_model_arguments(p)
+    p.add_argument("--output", required=True, help="drafter directory to write")
+    p.add_argument(
         "--prompts",
         help="text file of your own prompts, one user message per line (the last --held-out "
         "lines are held out); default: specserve's built-in training prompts",
     )
-    medusa.add_argument("--num-prompts", type=int, default=480, help="training prompts")
-    medusa.add_argument("--held-out", type=int, default=48, help="held-out prompts")
-    medusa.add_argument("--max-tokens", type=int, default=192, help="answer length")
-    medusa.add_argument("--temperature", type=float, default=0.0, help="of the answers (0: greedy)")
-    medusa.add_argument("--heads", type=int, default=3)
-    medusa.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
-    medusa.add_argument("--epochs", type=int, default=4)
-    medusa.add_argument("--learning-rate", type=float, default=1e-3)
-    medusa.add_argument("--seed", type=int, default=0)
-    medusa.add_argument(
-        "--resume", action="store_true", help="continue from the checkpoint in --output"
-    )
-    medusa.set_defaults(func=_cmd_train_medusa)
+    p.add_argument("--num-prompts", type=int, default=480, help="training prompts")
+    p.add_argument("--held-out", type=int, default=48, help="held-out prompts")
+    p.add_argument("--max-tokens", type=int, default=192, help="answer length")
+    p.add_argument("--temperature", type=float, default=0.0, help="of the answers (0: greedy)")
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
+    p.set_defaults(func=_cmd_train_heads)

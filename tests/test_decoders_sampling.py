@@ -22,7 +22,7 @@ from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling import probabilities, process_logits
 from tests.stats import chi_square_p_value
-from tests.tiny_models import save_medusa_drafter, save_perturbed_copy, save_tiny_model
+from tests.tiny_models import save_heads_drafter, save_perturbed_copy, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -50,11 +50,11 @@ PARAMS = {
 # prompt lookup). "separate": a draft model with its own KV cache (the target plus noise), the
 # hierarchy's level 1 being its first layer, and an entropy window (tau inside the model's
 # range of entropies) that may stop a chain at one draft. tau2 above every entropy keeps
-# level 2 drafting to k. "medusa": random heads whose two drafts are siblings (a tree).
+# level 2 drafting to k. "medusa", "hydra": random heads whose two drafts are siblings (a tree).
 DECODERS = {
     "self": {
         "method": "ngram",
-        "extra_methods": ["draft", "layerskip", "hierarchical", "medusa"],
+        "extra_methods": ["draft", "layerskip", "hierarchical", "medusa", "hydra"],
         "draft": {"model": "self", "quantization": "int8"},
         "layerskip": {"skip_attention": [1], "skip_mlp": [2]},
         "hierarchical": {"level1": "ngram", "tau2": 10.0},
@@ -73,6 +73,7 @@ CASES = {
     "layerskip": ("self", "layerskip"),
     "hierarchical-ngram": ("self", "hierarchical"),
     "medusa-tree": ("self", "medusa"),
+    "hydra-tree": ("self", "hydra"),
     "draft-separate": ("separate", "draft"),
     "hierarchical-draft_truncated": ("separate", "hierarchical"),
 }
@@ -91,11 +92,15 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
         target_dir, tmp_path_factory.mktemp("small-draft") / "llama", 0.01
     )
     # Random heads: trees whose siblings the target often rejects, so every rule is exercised.
-    medusa = save_medusa_drafter(target_dir, tmp_path_factory.mktemp("medusa") / "d", scale=0.5)
+    trained = {
+        kind: save_heads_drafter(target_dir, tmp_path_factory.mktemp(kind) / "d", kind, scale=0.05)
+        for kind in ("medusa", "hydra")
+    }
     built = {}
     for name, spec in DECODERS.items():
-        if "medusa" in spec.get("extra_methods", []):
-            spec = {**spec, "medusa": {"drafter": str(medusa)}}
+        for kind, drafter in trained.items():
+            if kind in spec.get("extra_methods", []):
+                spec = {**spec, kind: {"drafter": str(drafter)}}
         draft = spec["draft"]
         if draft["model"] == "separate":
             spec = {**spec, "draft": {**draft, "model": str(draft_dir)}}
@@ -204,8 +209,8 @@ def run_case(engines, exact, case, params_name, requests, monkeypatch) -> None:
     # accepted and rejected (so both the acceptance test and the residual were sampled).
     assert drafts >= DRAWS and 0 < accepted < draft_tokens
     # A model drafter samples its drafts and hands q to the rejection sampler; prompt lookup's
-    # and Medusa's drafts are deterministic (q one-hot, passed as None).
-    assert num_with_q == (0 if method in ("ngram", "medusa") else drafts)
+    # and the trained heads' drafts are deterministic (q one-hot, passed as None).
+    assert num_with_q == (0 if method in ("ngram", "medusa", "hydra") else drafts)
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))

@@ -62,25 +62,27 @@ def save_perturbed_copy(source: Path, path: Path, noise: float, seed: int = 1) -
     return path
 
 
-def save_medusa_drafter(model_dir: Path, path: Path, num_heads: int = 3, scale: float = 0.0,
-                        seed: int = 0, accuracies=None) -> Path:  # fmt: skip
-    """A Medusa drafter directory for the model in ``model_dir``: heads with random weights of
-    ``scale`` (0: every head is the identity, guessing what the target itself would say next),
-    the whole vocabulary as draft vocabulary, and made-up held-out accuracies that shape a
-    branching tree."""
+def save_heads_drafter(model_dir: Path, path: Path, kind: str = "medusa", num_heads: int = 3,
+                       scale: float = 0.0, seed: int = 0) -> Path:  # fmt: skip
+    """A ``kind`` (medusa or hydra) drafter directory for the model in ``model_dir``: heads as
+    initialised (every head the identity on the hidden state, guessing what the target itself
+    would say next) plus random weights of ``scale``, the whole vocabulary as draft vocabulary,
+    and made-up held-out accuracies that shape a branching tree."""
     import json
 
     import torch
 
-    from engine.decoders.medusa import MedusaDrafter, MedusaHeads
+    from engine.decoders.trained_heads import HeadsDrafter
+    from engine.training.train_heads import HEADS
 
     config = json.loads((model_dir / "config.json").read_text())
     hidden, vocab = config["hidden_size"], config["vocab_size"]
-    heads = MedusaHeads(num_heads, hidden)
+    heads = HEADS[kind](num_heads, hidden)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        heads.weight.copy_(torch.randn(heads.weight.shape, generator=generator) * scale)
+        for parameter in heads.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
     target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
-    accuracies = accuracies or [[0.5, 0.3, 0.1][:3] for _ in range(num_heads)]
-    MedusaDrafter(heads, torch.arange(vocab), accuracies, target, {"test": True}).save(path)
+    accuracies = [[0.5, 0.3, 0.1] for _ in range(num_heads)]
+    HeadsDrafter(kind, heads, torch.arange(vocab), accuracies, target, {"test": True}).save(path)
     return path

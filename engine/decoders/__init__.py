@@ -6,7 +6,7 @@ from engine.decoders.base import Decoder, Proposal, TargetContext
 from engine.decoders.ngram import NgramDecoder
 from engine.speculative_options import SpeculativeOptions
 
-DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa")
+DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra")
 
 
 def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> Decoder:
@@ -31,6 +31,10 @@ def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> De
         from engine.decoders.medusa import build_medusa_decoder
 
         return build_medusa_decoder(config, target)
+    if name == "hydra":
+        from engine.decoders.hydra import build_hydra_decoder
+
+        return build_hydra_decoder(config, target)
     if name == "autoregressive":
         return Decoder()
     raise ValueError(f"unknown decoder {name!r}; known: {', '.join(DECODERS)}")

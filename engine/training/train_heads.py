@@ -1,4 +1,4 @@
-"""``specserve train medusa``: Medusa-1 heads on the frozen target, by self-distillation.
+"""``specserve train medusa|hydra``: draft heads on the frozen target, by self-distillation.
 
 1. Data: our own prompts (``engine.training.prompts``) answered by the target, and its hidden
    states along the answers (``engine.training.self_distillation``); cached in the output
@@ -6,9 +6,10 @@
 2. Draft vocabulary: the answer tokens the target writes most, covering nearly all of them.
 3. Training: head j learns the token j + 2 places after each position (cross-entropy on the
    target's own continuation, which for greedy answers is its argmax), read out through the
-   target's frozen LM head rows of the draft vocabulary. Adam; a checkpoint after every epoch.
+   target's frozen LM head rows of the draft vocabulary; Hydra's heads also read the true
+   tokens before it (teacher forcing). Adam; a checkpoint after every epoch.
 4. Held-out: each head's top-i accuracy on answers to prompts it never saw; they rank the
-   decoder's tree (``engine.decoders.medusa.rank_tree``).
+   decoder's tree (``engine.decoders.trained_heads.rank_tree``).
 """
 
 from __future__ import annotations
@@ -20,15 +21,19 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.decoders.medusa import MedusaDrafter, MedusaHeads, rank_tree, target_signature
+from engine.decoders.hydra import HydraHeads
+from engine.decoders.medusa import MedusaHeads
+from engine.decoders.trained_heads import HeadsDrafter, rank_tree, target_signature
 from engine.training.prompts import train_and_held_out
 from engine.training.self_distillation import answer_features, generate_answers
 
 DATA_FILE, CHECKPOINT_FILE = "data.pt", "checkpoint.pt"
+HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 
 
 @dataclass
-class MedusaTrainOptions:
+class HeadsTrainOptions:
+    kind: str  # "medusa" or "hydra"
     output: Path
     num_prompts: int = 480
     num_held_out: int = 48
@@ -54,7 +59,7 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True)
 
 
-def _data(llm, options: MedusaTrainOptions) -> dict:
+def _data(llm, options: HeadsTrainOptions) -> dict:
     """Answers and features for the training and held-out prompts, from the cache if there."""
     path = options.output / DATA_FILE
     wanted = {k: getattr(options, k) for k in ("num_prompts", "num_held_out", "max_tokens")}
@@ -90,18 +95,16 @@ def _data(llm, options: MedusaTrainOptions) -> dict:
     return data
 
 
-def head_labels(split: dict, num_heads: int) -> torch.Tensor:
-    """[rows, heads] token ids: head j's label at a row (position t) is token t + 2 + j; -1
-    past the sequence's end."""
+def tokens_ahead(split: dict, first: int, count: int) -> torch.Tensor:
+    """[rows, count] token ids: tokens t + first .. t + first + count - 1 after each row's
+    position t; -1 past the sequence's end. Labels are tokens 2.. ahead, Hydra's inputs 1.."""
     sequences = split["sequences"]
-    labels = torch.full((len(split["owners"]), num_heads), -1, dtype=torch.long)
+    out = torch.full((len(split["owners"]), count), -1, dtype=torch.long)
     owners, positions = split["owners"].tolist(), split["positions"].tolist()
     for r, (i, t) in enumerate(zip(owners, positions, strict=True)):
-        tokens = sequences[i]
-        for j in range(num_heads):
-            if t + 2 + j < len(tokens):
-                labels[r, j] = tokens[t + 2 + j]
-    return labels
+        ahead = sequences[i][t + first : t + first + count]
+        out[r, : len(ahead)] = torch.tensor(ahead, dtype=torch.long)
+    return out
 
 
 def draft_vocabulary(labels: torch.Tensor, size: int) -> torch.Tensor:
@@ -121,36 +124,42 @@ def to_vocab_index(labels: torch.Tensor, vocab: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _logits(heads: MedusaHeads, readout: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    return heads(features.float()) @ readout.T  # [heads, B, V']
+def _logits(heads, readout, embed, features, inputs) -> torch.Tensor:
+    """[heads, B, V'] from [B, d] features and [B, heads] input tokens (-1: past the end)."""
+    embeddings = embed(inputs.clamp_min(0).flatten()).float().reshape(*inputs.shape, -1)
+    return heads.forward_train(features.float(), embeddings) @ readout.T
 
 
 @torch.no_grad()
-def top_accuracies(heads, readout, features, targets, top_k: int, batch: int = 1024):
+def top_accuracies(heads, readout, embed, features, inputs, targets, top_k: int, batch=1024):
     """[heads][i]: how often the i-th candidate of each head is the label (rows whose label
     is past the end are left out; labels outside the vocabulary count as misses)."""
     num_heads = heads.num_heads
     hits = torch.zeros(num_heads, top_k)
     seen = torch.zeros(num_heads)
     for first in range(0, len(features), batch):
-        logits = _logits(heads, readout, features[first : first + batch])
+        rows = slice(first, first + batch)
+        logits = _logits(heads, readout, embed, features[rows], inputs[rows])
         top = logits.topk(top_k, dim=-1).indices  # [heads, B, k]
-        rows = targets[first : first + batch].T  # [heads, B]
-        present = rows != -1
-        hits += ((top == rows[..., None]) & present[..., None]).sum(dim=1).float()
+        wanted = targets[rows].T  # [heads, B]
+        present = wanted != -1
+        hits += ((top == wanted[..., None]) & present[..., None]).sum(dim=1).float()
         seen += present.sum(dim=1).float()
     return (hits / seen.clamp_min(1)[:, None]).tolist()
 
 
-def run_train_medusa(llm, options: MedusaTrainOptions) -> MedusaDrafter:
+def run_train_heads(llm, options: HeadsTrainOptions) -> HeadsDrafter:
     from engine.models.draft_copies import dense_weight
 
     started = time.monotonic()
     torch.manual_seed(options.seed)
     model = llm.engine.model
     data = _data(llm, options)
-    train_labels = head_labels(data["train"], options.num_heads)
-    held_labels = head_labels(data["held_out"], options.num_heads)
+    train_labels = tokens_ahead(data["train"], 2, options.num_heads)
+    held_labels = tokens_ahead(data["held_out"], 2, options.num_heads)
+    train_inputs = tokens_ahead(data["train"], 1, options.num_heads)
+    held_inputs = tokens_ahead(data["held_out"], 1, options.num_heads)
+    embed = model.embed
     vocab = draft_vocabulary(train_labels, options.draft_vocab_size)
     covered = torch.isin(train_labels[train_labels >= 0], vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
@@ -162,7 +171,7 @@ def run_train_medusa(llm, options: MedusaTrainOptions) -> MedusaDrafter:
     held_for_accuracy[held_labels == -1] = -1
     features = data["train"]["features"]
 
-    heads = MedusaHeads(options.num_heads, model.arch.hidden_size)
+    heads = HEADS[options.kind](options.num_heads, model.arch.hidden_size)
     optimizer = torch.optim.Adam(heads.parameters(), lr=options.learning_rate)
     first_epoch = 0
     checkpoint = options.output / CHECKPOINT_FILE
@@ -181,7 +190,7 @@ def run_train_medusa(llm, options: MedusaTrainOptions) -> MedusaDrafter:
         with _progress(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
             for step in range(steps):
                 rows = order[step * options.batch_size : (step + 1) * options.batch_size]
-                logits = _logits(heads, readout, features[rows])  # [heads, B, V']
+                logits = _logits(heads, readout, embed, features[rows], train_inputs[rows])
                 targets = train_targets[rows].T  # [heads, B]
                 loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
                 optimizer.zero_grad()
@@ -196,8 +205,9 @@ def run_train_medusa(llm, options: MedusaTrainOptions) -> MedusaDrafter:
             checkpoint,
         )
     accuracies = top_accuracies(
-        heads, readout, data["held_out"]["features"], held_for_accuracy, options.top_k
-    )
+        heads, readout, embed, data["held_out"]["features"], held_inputs, held_for_accuracy,
+        options.top_k,
+    )  # fmt: skip
     for j, row in enumerate(accuracies):
         print(f"held-out head {j + 1} (token +{j + 2}): top-i accuracy " + ", ".join(
             f"{a:.1%}" for a in row))  # fmt: skip
@@ -205,13 +215,14 @@ def run_train_medusa(llm, options: MedusaTrainOptions) -> MedusaDrafter:
         tree = rank_tree(accuracies, n)
         expected = sum(_path_value(accuracies, path) for path in tree)
         print(f"expected accepted drafts per step, tree of {n} nodes: {expected:.2f}")
-    drafter = MedusaDrafter(
+    drafter = HeadsDrafter(
+        options.kind,
         heads,
         vocab,
         accuracies,
         target_signature(model),
         {
-            "command": "specserve train medusa",
+            "command": f"specserve train {options.kind}",
             "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
             "data": "answers of the target itself to specserve's own prompts "
             "(engine/training/prompts.py)",

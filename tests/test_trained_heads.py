@@ -1,7 +1,8 @@
-"""Medusa heads: the tree ranking, the drafter directory, the target hidden states the decoder
-reads, greedy identity through the engine (batched, preempted, aborted), and `specserve train
-medusa`'s pipeline on a tiny model (loss falls, a checkpoint resumes, the drafter loads).
-Sampled exactness is in tests/test_decoders_sampling.py with the other decoders."""
+"""The trained-head drafters (medusa, hydra): the tree ranking, the drafter directory, the
+target hidden state each sequence's drafts start from, greedy identity through the engine
+(batched, preempted, aborted), and `specserve train`'s pipeline on a tiny model (loss falls, a
+checkpoint resumes, the drafter loads). Sampled exactness is in tests/test_decoders_sampling.py
+with the other decoders."""
 
 from __future__ import annotations
 
@@ -9,14 +10,15 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.decoders.medusa import MedusaDrafter, rank_tree
+from engine.decoders.trained_heads import HeadsDrafter, rank_tree
 from engine.models.llama import rms_norm
 from engine.training.self_distillation import Answers, answer_features
-from engine.training.train_medusa import MedusaTrainOptions, run_train_medusa
-from tests.tiny_models import save_medusa_drafter
+from engine.training.train_heads import HEADS, HeadsTrainOptions, run_train_heads
+from tests.tiny_models import save_heads_drafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
+KINDS = ["medusa", "hydra"]
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [3] * 12, [40 + i % 9 for i in range(30)]]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
@@ -24,43 +26,51 @@ GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 def test_rank_tree_orders_paths_by_their_product_with_prefixes_first():
     accuracies = [[0.6, 0.2], [0.5, 0.4], [0.9, 0.05]]
     tree = rank_tree(accuracies, 8)
-    # 0.6, then 0.6*0.5=0.30, 0.6*0.4=0.24, 0.30*0.9=0.27, 0.24*0.9=0.216, 0.2, ...
+    # 0.6, then 0.6*0.5=0.30, 0.30*0.9=0.27, 0.6*0.4=0.24, 0.24*0.9=0.216, 0.2, ...
     assert tree[:6] == [(0,), (0, 0), (0, 0, 0), (0, 1), (0, 1, 0), (1,)]
     for n in range(1, len(tree) + 1):  # every prefix is a tree
         assert all(path[:-1] in tree[: tree.index(path)] for path in tree[:n] if len(path) > 1)
 
 
+@pytest.fixture(scope="module", params=KINDS)
+def kind(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def drafter_dir(tiny_model_dir, tmp_path_factory):
-    # Identity heads: each guesses the target's own next token again, which on repetitive
+def drafter_dir(kind, tiny_model_dir, tmp_path_factory):
+    # Heads as initialised: each guesses the target's own next token again, which on repetitive
     # prompts is often right, so paths are accepted and compacted.
-    return save_medusa_drafter(tiny_model_dir, tmp_path_factory.mktemp("medusa") / "drafter")
+    return save_heads_drafter(tiny_model_dir, tmp_path_factory.mktemp(kind) / "drafter", kind)
 
 
-def medusa_llm(model_dir, drafter, **overrides) -> LLM:
-    decoder = {"method": "medusa", "medusa": {"drafter": str(drafter)}, "num_speculative_tokens": 6}
+def trained_llm(kind, model_dir, drafter, **overrides) -> LLM:
+    decoder = {"method": kind, kind: {"drafter": str(drafter)}, "num_speculative_tokens": 6}
     return LLM(model=str(model_dir), decoder=decoder, **overrides)
 
 
 def test_drafter_directory_round_trips_and_refuses_another_model(
-    drafter_dir, tiny_model_dir, tmp_path
+    kind, drafter_dir, tiny_model_dir, tmp_path
 ):
-    drafter = MedusaDrafter.load(drafter_dir)
+    drafter = HeadsDrafter.load(drafter_dir, kind, HEADS[kind])
     assert drafter.heads.num_heads == 3 and len(drafter.draft_vocab) == 320
     other = tmp_path / "other"
     drafter.target = {**drafter.target, "hidden_size": 1}
     drafter.save(other)
     with pytest.raises(ValueError, match="was trained for"):
-        medusa_llm(tiny_model_dir, other)
+        trained_llm(kind, tiny_model_dir, other)
     with pytest.raises(ValueError, match="not a drafter directory"):
-        medusa_llm(tiny_model_dir, tmp_path)
+        trained_llm(kind, tiny_model_dir, tmp_path)
+    wrong = "hydra" if kind == "medusa" else "medusa"
+    with pytest.raises(ValueError, match=f"not {wrong}"):
+        trained_llm(wrong, tiny_model_dir, drafter_dir)
 
 
 def test_the_decoder_reads_the_hidden_state_of_each_sequences_newest_token(
-    tiny_model_dir, drafter_dir
+    kind, tiny_model_dir, drafter_dir
 ):
-    llm = medusa_llm(tiny_model_dir, drafter_dir)
-    engine, decoder = llm.engine, llm.engine.speculator.decoders["medusa"]
+    llm = trained_llm(kind, tiny_model_dir, drafter_dir)
+    engine, decoder = llm.engine, llm.engine.speculator.decoders[kind]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS[:2]):
         engine.add_request(f"r{i}", prompt, params)
@@ -76,16 +86,17 @@ def test_the_decoder_reads_the_hidden_state_of_each_sequences_newest_token(
         torch.testing.assert_close(stored, features, atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_medusa_equals_autoregressive_batched_preempted_and_aborted(
-    tiny_model_dir, drafter_dir
+def test_greedy_equals_autoregressive_batched_preempted_and_aborted(
+    kind, tiny_model_dir, drafter_dir
 ):
     expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(PROMPTS, GREEDY)]
-    roomy = medusa_llm(tiny_model_dir, drafter_dir)
+    roomy = trained_llm(kind, tiny_model_dir, drafter_dir)
     assert [roomy.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
     assert [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)] == expected
     stats = roomy.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    small = medusa_llm(
+    small = trained_llm(
+        kind,
         tiny_model_dir,
         drafter_dir,
         kv_cache={"num_blocks": 10},
@@ -106,13 +117,30 @@ def test_greedy_medusa_equals_autoregressive_batched_preempted_and_aborted(
     assert bm.num_free_blocks == bm.num_blocks
 
 
-def test_train_medusa_learns_resumes_and_writes_a_drafter_the_decoder_loads(
-    tiny_model_dir, tmp_path
+def test_hydra_heads_read_the_path_they_extend(tiny_model_dir, tmp_path):
+    # Two paths with the same first candidate rank but different tokens get different
+    # children: the depth-2 candidates depend on the depth-1 token.
+    drafter = HeadsDrafter.load(
+        save_heads_drafter(tiny_model_dir, tmp_path / "d", "hydra", scale=0.2),
+        "hydra",
+        HEADS["hydra"],
+    )
+    heads, d = drafter.heads, drafter.heads.hidden_size
+    features = torch.randn(1, d)
+    embeddings = torch.randn(2, 2, d)
+    embeddings[1, 0] = embeddings[0, 0]  # same decode token, different first draft
+    out = heads.head(1, features.repeat(2, 1), embeddings)
+    assert not torch.allclose(out[0], out[1])
+
+
+def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(
+    kind, tiny_model_dir, tmp_path
 ):
     llm = LLM(model=str(tiny_model_dir), kv_cache={"num_blocks": 256})
     train = [[(7 * i + j) % 300 + 10 for j in range(12)] for i in range(24)]
     held = [[(11 * i + 5 * j) % 300 + 10 for j in range(12)] for i in range(4)]
-    options = MedusaTrainOptions(
+    options = HeadsTrainOptions(
+        kind=kind,
         output=tmp_path / "drafter",
         max_tokens=24,
         num_heads=2,
@@ -123,14 +151,14 @@ def test_train_medusa_learns_resumes_and_writes_a_drafter_the_decoder_loads(
         learning_rate=3e-3,
         prompts=(train, held),
     )
-    first = run_train_medusa(llm, options)
+    first = run_train_heads(llm, options)
     options.epochs, options.resume = 4, True
-    drafter = run_train_medusa(llm, options)
+    drafter = run_train_heads(llm, options)
     assert first.info["resumed_after_epoch"] == 0
     assert drafter.info["resumed_after_epoch"] == 1
     losses = first.info["epoch_losses"] + drafter.info["epoch_losses"]
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert len(drafter.accuracies) == 2 and len(drafter.accuracies[0]) == 2
     expected = llm.generate(PROMPTS[:2], GREEDY)
-    got = medusa_llm(tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
+    got = trained_llm(kind, tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]

@@ -1,0 +1,101 @@
+"""Hydra heads (Ankner et al. 2024): Medusa's heads made sequentially dependent. Head j reads
+the target's last hidden state and the embeddings of the tokens after it, the decode token and
+the draft path so far, so its guess depends on the path it extends; a tree's candidates are
+computed depth by depth, each node's children from its own path.
+
+Head j: x = W_in_j [f; e_1; ...; e_{j+1}] (f the final-normed hidden state, e_i RMS-normalised
+token embeddings of the target), then the residual block x + SiLU(W_j x + b_j), read out through
+the target's LM head cut to the draft vocabulary (``engine.decoders.trained_heads``, which also
+ranks the tree). Drafts are deterministic (top-k picks): the one-hot tree rule keeps every
+sampling parameter exact.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.decoders.base import Decoder, TargetContext
+from engine.decoders.trained_heads import TrainedHeadsDecoder, build_readout, load_drafter
+
+if TYPE_CHECKING:
+    from engine.config import DecoderConfig
+
+
+class HydraHeads(nn.Module):
+    """Head j reads [f; e_1; ...; e_{j+1}]. Its input projection starts as the identity on f and
+    zero on the embeddings, so every head starts as Medusa's initial guess."""
+
+    def __init__(self, num_heads: int, hidden_size: int):
+        super().__init__()
+        d = hidden_size
+        self.inputs = nn.ParameterList(
+            nn.Parameter(torch.cat([torch.eye(d), torch.zeros(d, (j + 1) * d)], dim=1))
+            for j in range(num_heads)
+        )
+        self.weight = nn.Parameter(torch.zeros(num_heads, d, d))
+        self.bias = nn.Parameter(torch.zeros(num_heads, d))
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+    def head(self, j: int, normed: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
+        """[N, d] features and [N, j + 1, d] token embeddings -> [N, d] head j outputs."""
+        e = F.rms_norm(embeddings, (embeddings.shape[-1],))
+        x = torch.cat([normed, e.flatten(1)], dim=1) @ self.inputs[j].T
+        return x + F.silu(x @ self.weight[j].T + self.bias[j])
+
+    def forward_train(self, normed: torch.Tensor, next_embeddings: torch.Tensor) -> torch.Tensor:
+        """[B, d] features, [B, heads, d] embeddings of the tokens after each -> [heads, B, d]:
+        teacher forcing, head j reads the true tokens 1..j+1."""
+        return torch.stack(
+            [self.head(j, normed, next_embeddings[:, : j + 1]) for j in range(self.num_heads)]
+        )
+
+
+class HydraDecoder(TrainedHeadsDecoder, Decoder):
+    name = "hydra"
+
+    @torch.inference_mode()
+    def propose(self, seqs, num_drafts: dict) -> dict:
+        seqs = [s for s in seqs if s in self._hidden]
+        if not seqs:
+            return {}
+        tree = self.tree[: max(num_drafts[s] for s in seqs)]
+        features = self.normed_features(seqs)
+        batch = len(seqs)
+        embed = self.model.embed
+        decode = embed(torch.tensor([s.token_ids[-1] for s in seqs])).float()  # [B, d]
+        # candidates[path] = [b][i]: the top tokens after path's tokens, for each sequence.
+        candidates: dict[tuple, list[list[int]]] = {}
+        for depth in range(1, max(len(p) for p in tree) + 1):
+            parents = list(dict.fromkeys(p[:-1] for p in tree if len(p) == depth))
+            # Each parent's path tokens, per sequence: [parents * B] rows of depth - 1 tokens.
+            path_tokens = [
+                [candidates[parent[:i]][b][parent[i]] for i in range(depth - 1)]
+                for parent in parents
+                for b in range(batch)
+            ]
+            embeddings = decode.repeat(len(parents), 1)[:, None]
+            if depth > 1:
+                later = embed(torch.tensor(path_tokens).flatten()).float()
+                later = later.reshape(len(path_tokens), depth - 1, -1)
+                embeddings = torch.cat([embeddings, later], dim=1)
+            guesses = self.heads.head(depth - 1, features.repeat(len(parents), 1), embeddings)
+            top = self.top_candidates(guesses)
+            for k, parent in enumerate(parents):
+                candidates[parent] = top[k * batch : (k + 1) * batch]
+        return self.proposals(seqs, num_drafts, lambda b, p: candidates[p[:-1]][b][p[-1]])
+
+
+def build_hydra_decoder(config: DecoderConfig, target: TargetContext) -> HydraDecoder:
+    drafter = load_drafter(config.hydra.drafter, "hydra", HydraHeads, target.model)
+    return HydraDecoder(drafter, target, build_readout(target.model, drafter.draft_vocab))
