@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import heapq
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from engine.decoders.base import Proposal
+from engine.models.llama import rms_norm
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "heads.safetensors"
 # Drafters trained for the shipped model(s), found by the target's shape.
@@ -168,8 +172,6 @@ class TrainedHeadsDecoder:
     reads_target_hidden = True
 
     def __init__(self, drafter: HeadsDrafter, target, readout: nn.Module):
-        import weakref
-
         self.heads = drafter.heads
         self.draft_vocab = drafter.draft_vocab
         self.model = target.model
@@ -187,8 +189,6 @@ class TrainedHeadsDecoder:
 
     def normed_features(self, seqs) -> torch.Tensor:
         """[B, d] the final-normed target hidden states the heads read."""
-        from engine.models.llama import rms_norm
-
         hidden = torch.stack([self._hidden[s] for s in seqs]).float()
         eps = self.model.arch.rms_norm_eps
         return rms_norm(hidden, self.model.final_norm.float(), eps)
@@ -200,8 +200,6 @@ class TrainedHeadsDecoder:
 
     def proposals(self, seqs, num_drafts, token_of) -> dict:
         """``token_of(b, path)``: the draft token of ranked path ``path`` for sequence b."""
-        from engine.decoders.base import Proposal
-
         out = {}
         for b, seq in enumerate(seqs):
             n = num_drafts[seq]

@@ -48,6 +48,8 @@ constexpr int64_t kPrefetchAhead = 4096;
 
 // Weight rows that share one pass of the one-row (decode) product; see one_row_tile_avx512.
 constexpr int kOneRowTile = 4;
+// The most rows of x that the few-rows product (few_rows_avx512) takes.
+constexpr int64_t kFewRows = 8;
 
 inline void prefetch_ahead(const uint8_t* rows, int64_t bytes) {
   const char* p = reinterpret_cast<const char*>(rows) + kPrefetchAhead;
@@ -415,6 +417,77 @@ AVX512 void one_row_tile_avx512(const WeightRows& w, int64_t n, const float* x, 
   _mm_storeu_ps(y + n, sums);
 }
 
+// A few rows of x (verification of a few drafts): as the one-row tile, kOneRowTile weight rows
+// per pass, each block's weights built once in registers and multiplied with every row of x,
+// so the product stays near the speed of reading the weights instead of paying the dequantizing
+// once per row of x. One accumulator per (row of x, weight row): with two or more rows of x
+// there are enough independent chains, and 4 x 4 of them still fit the registers.
+template <int M>
+AVX512 void few_rows_tile_avx512(const WeightRows& w, int64_t n, const float* x, float* y,
+                                 int64_t ldy, float* scratch) {
+  constexpr int R = kOneRowTile;
+  const int64_t G = w.groups, row_bytes = w.code_row_bytes, K = w.K;
+  const uint8_t* q = w.codes + n * row_bytes;
+  prefetch_ahead(q, R * row_bytes);
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const RowScales s = tile_scales_avx512<R>(w, n, scratch, scratch + R * G);
+  if (w.kind == CodeKind::U4) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < G; ++b) {
+      __m512 x0[M], x1[M];
+      for (int m = 0; m < M; ++m) {
+        x0[m] = _mm512_loadu_ps(x + m * K + 32 * b);
+        x1[m] = _mm512_loadu_ps(x + m * K + 32 * b + 16);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(s.d[r * G + b]), _mm512_set1_ps(s.m[r * G + b]));
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b)));
+        const __m512 w0 = _mm512_permutexvar_ps(v, table);
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
+        for (int m = 0; m < M; ++m) {
+          acc[m][r] = _mm512_fmadd_ps(x0[m], w0, acc[m][r]);
+          acc[m][r] = _mm512_fmadd_ps(x1[m], w1, acc[m][r]);
+        }
+      }
+    }
+  } else {  // 8-bit codes in pieces of 16
+    for (int64_t b = 0; b < K / 16; ++b) {
+      __m512 xv[M];
+      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + 16 * b);
+      for (int r = 0; r < R; ++r) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b)));
+        const int64_t g = r * G + (b >> s.shift);
+        const __m512 d = _mm512_set1_ps(s.d[g]);
+        const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[g]))
+                              : _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm_storeu_ps(y + m * ldy + n, sum4_avx512(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+}
+
+// 2 .. kFewRows rows of x against weight rows n .. n + kOneRowTile - 1 (integer codes), in
+// passes of at most four rows of x, as even as possible (5 = 3 + 2: a pass of one row of x
+// would have too few independent accumulators).
+AVX512 void few_rows_avx512(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
+                            int64_t ldy, float* scratch) {
+  const int64_t passes = (M + 3) / 4;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = (M - m) / (passes - p);
+    const float* xm = x + m * w.K;
+    float* ym = y + m * ldy;
+    switch (rows) {
+      case 4: few_rows_tile_avx512<4>(w, n, xm, ym, ldy, scratch); break;
+      case 3: few_rows_tile_avx512<3>(w, n, xm, ym, ldy, scratch); break;
+      default: few_rows_tile_avx512<2>(w, n, xm, ym, ldy, scratch); break;
+    }
+    m += rows;
+  }
+}
+
 // Many rows of x (batches, prefill chunks): dequantize four weight rows into an L1 buffer, then
 // a 4x4 register tile (four rows of x by four weight rows) makes each loaded vector feed four
 // FMAs, so the product runs at FMA rather than load throughput.
@@ -633,6 +706,8 @@ using FusedRow = void (*)(const WeightRows&, int64_t, const float*, int64_t, flo
 using TiledRows = FusedRow;
 // One row of x against kOneRowTile weight rows from n.
 using OneRowTile = void (*)(const WeightRows&, int64_t, const float*, float*, float*);
+// 2 .. kFewRows rows of x against kOneRowTile weight rows from n (integer codes).
+using FewRows = void (*)(const WeightRows&, int64_t, const float*, int64_t, float*, int64_t, float*);
 
 struct Isa {
   const char* name;
@@ -641,12 +716,14 @@ struct Isa {
   FusedRow fused;  // nullptr: dequantize the row, then dot
   TiledRows tiled;  // nullptr: none; else four weight rows at a time for many rows of x
   OneRowTile one_row = nullptr;  // nullptr: one row of x goes through ``fused``
+  FewRows few_rows = nullptr;  // nullptr: a few rows of x go through ``fused``
 };
 
 Isa isa_by_name(const std::string& name) {
 #if defined(__x86_64__)
   if (name == "avx512")
-    return {"avx512", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, tiled_rows_avx512, one_row_tile_avx512};
+    return {"avx512",         dequant_row_avx512,  dot_rows_avx512, fused_row_avx512,
+            tiled_rows_avx512, one_row_tile_avx512, few_rows_avx512};
   // The AMX product (amx_matmul.cpp) covers 4- and 8-bit codes; AVX-512 does the rest.
   if (name == "amx")
     return {"amx", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, nullptr, one_row_tile_avx512};
@@ -750,7 +827,8 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   // Four weight rows share each loaded x vector (the tiled variant, where K allows).
   const bool tiled = tiled_variant && isa.tiled && K % 16 == 0;
   const bool one_row = M == 1 && isa.one_row != nullptr;
-  const int64_t step = tiled ? 4 : one_row ? kOneRowTile : 1;
+  const bool few_rows = !tiled && fused && M > 1 && M <= kFewRows && isa.few_rows != nullptr;
+  const int64_t step = tiled ? 4 : one_row || few_rows ? kOneRowTile : 1;
   at::parallel_for(0, (N + step - 1) / step, std::max<int64_t>(kRowGrain / step, 1),
                    [&](int64_t begin, int64_t end) {
     std::vector<float> row(4 * K);  // dequantized weight rows (or a row's scales), in L1
@@ -762,6 +840,10 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
       }
       if (one_row && n + kOneRowTile <= N) {
         isa.one_row(w, n, xp, yp, row.data());
+        continue;
+      }
+      if (few_rows && n + kOneRowTile <= N) {
+        isa.few_rows(w, n, xp, M, yp, N, row.data());
         continue;
       }
       for (int64_t r = n; r < std::min(n + step, N); ++r) {

@@ -158,6 +158,11 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
             {"method": "layerskip", **(layerskip or default_layerskip(num_layers))},
         ),
         Variant("hierarchical", {**draft(), "method": "hierarchical", "hierarchical": {}}),
+        # The trained heads shipped for the model (engine/drafters/); k is the tree's nodes.
+        Variant("medusa", {"method": "medusa"}),
+        Variant("hydra", {"method": "hydra"}),
+        Variant("hydra-k2", {"method": "hydra", "num_speculative_tokens": 2}),
+        Variant("hydra-k8", {"method": "hydra", "num_speculative_tokens": 8}),
         Variant("draft-int8-adaptive", draft(window={"policy": "adaptive_exit"})),
         Variant("draft-int8-entropy", draft(window={"policy": "entropy"})),
         Variant("draft-int8-gate0.3", draft(gate={"min_target_prob": 0.3})),
@@ -197,8 +202,9 @@ def decoder_config(base: DecoderConfig, variant: Variant, k: int) -> DecoderConf
 class StepTimer:
     """Times the engine's decode steps, split into drafting and the target's forward pass.
 
-    Instrumentation only: it wraps ``engine.step``, ``engine.runner.run`` (the target's
-    runner; drafters have their own) and each speculator's ``propose`` on the instances.
+    Instrumentation only: it wraps ``engine.step``, ``engine.runner.forward`` (the target's
+    runner, whose ``run`` calls it; drafters have their own) and each speculator's ``propose``
+    on the instances.
     """
 
     def __init__(self, engine):
@@ -206,11 +212,11 @@ class StepTimer:
         self._draft = self._forward = 0.0
         self._rows = 0
         self._decode = False
-        step, run = engine.step, engine.runner.run
+        step, forward = engine.step, engine.runner.forward
 
-        def timed_run(items, **options):
+        def timed_forward(items, **options):
             start = time.perf_counter()
-            out = run(items, **options)
+            out = forward(items, **options)
             self._forward += time.perf_counter() - start
             # Every new token gets logits in a decode (or verification) step, not in a prefill.
             self._decode = all(len(i.token_ids) == i.num_logits for i in items)
@@ -233,7 +239,7 @@ class StepTimer:
                 c.tokens += sum(o.num_new_tokens for r in outputs for o in r.outputs)
             return outputs
 
-        engine.step, engine.runner.run = timed_step, timed_run
+        engine.step, engine.runner.forward = timed_step, timed_forward
 
     def watch(self, speculator) -> None:
         propose = speculator.propose

@@ -76,6 +76,9 @@ def describe(config: DecoderConfig) -> str:
         parts.append(
             f"skip_attention {s.skip_attention}, skip_mlp {s.skip_mlp}, exit_layer {s.exit_layer}"
         )
+    if config.method in ("medusa", "hydra"):
+        drafter = getattr(config, config.method).drafter
+        parts.append(f"drafter {drafter or 'shipped for the model'}, tree of k nodes")
     if config.method == "hierarchical":
         h = config.hierarchical
         parts.append(f"level 1 {h.level1}, tau2 {h.tau2}")
