@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.decoders import Decoder
 from engine.decoders.ngram import find_continuation, find_continuations, merge_into_tree
 from tests.stats import chi_square_p_value
 
@@ -210,7 +211,7 @@ def test_sampled_ngram_matches_the_target_distribution(engines, params, monkeypa
     assert speculator.stats.num_drafts - runs_before >= draws  # every sequence was verified
 
 
-class AlwaysDrafts:
+class AlwaysDrafts(Decoder):
     """Test drafter: proposes token 7 for every sequence (one-hot q, like ngram); as a tree,
     the siblings 7 and 9, each followed by 7s."""
 

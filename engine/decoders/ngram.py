@@ -23,23 +23,16 @@ if TYPE_CHECKING:  # engine.sequence imports engine.decoders.base
 
 def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The up-to-``k`` tokens after the latest earlier match of the longest suffix n-gram."""
-    length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        pattern = tokens[length - n :]
-        # Latest match first: recent context predicts the continuation best.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == pattern:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+    found = find_continuations(tokens, min_n, max_n, k, 1)
+    return found[0] if found else []
 
 
 def find_continuations(
     tokens: list[int], min_n: int, max_n: int, k: int, matches: int
 ) -> list[list[int]]:
     """What followed each of the first ``matches`` earlier occurrences of a suffix n-gram
-    (up to ``k`` tokens each), longest n first and the latest match first within an n."""
+    (up to ``k`` tokens each), longest n first and the latest match first within an n: recent
+    context predicts the continuation best."""
     length, found = len(tokens), []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         pattern = tokens[length - n :]
