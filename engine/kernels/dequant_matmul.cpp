@@ -421,7 +421,8 @@ AVX512 void one_row_tile_avx512(const WeightRows& w, int64_t n, const float* x, 
 // per pass, each block's weights built once in registers and multiplied with every row of x,
 // so the product stays near the speed of reading the weights instead of paying the dequantizing
 // once per row of x. One accumulator per (row of x, weight row): with two or more rows of x
-// there are enough independent chains, and 4 x 4 of them still fit the registers.
+// there are enough independent chains, and up to 6 x 4 of them fit the registers with x read
+// from L1 as each FMA's memory operand.
 template <int M>
 AVX512 void few_rows_tile_avx512(const WeightRows& w, int64_t n, const float* x, float* y,
                                  int64_t ldy, float* scratch) {
@@ -436,33 +437,26 @@ AVX512 void few_rows_tile_avx512(const WeightRows& w, int64_t n, const float* x,
   if (w.kind == CodeKind::U4) {
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b < G; ++b) {
-      __m512 x0[M], x1[M];
-      for (int m = 0; m < M; ++m) {
-        x0[m] = _mm512_loadu_ps(x + m * K + 32 * b);
-        x1[m] = _mm512_loadu_ps(x + m * K + 32 * b + 16);
-      }
       for (int r = 0; r < R; ++r) {
         const __m512 table = _mm512_fmadd_ps(codes, _mm512_set1_ps(s.d[r * G + b]), _mm512_set1_ps(s.m[r * G + b]));
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b)));
         const __m512 w0 = _mm512_permutexvar_ps(v, table);
         const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);
-        for (int m = 0; m < M; ++m) {
-          acc[m][r] = _mm512_fmadd_ps(x0[m], w0, acc[m][r]);
-          acc[m][r] = _mm512_fmadd_ps(x1[m], w1, acc[m][r]);
+        for (int m = 0; m < M; ++m) {  // x from L1: the registers hold the accumulators
+          acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + 32 * b), w0, acc[m][r]);
+          acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + 32 * b + 16), w1, acc[m][r]);
         }
       }
     }
   } else {  // 8-bit codes in pieces of 16
     for (int64_t b = 0; b < K / 16; ++b) {
-      __m512 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = _mm512_loadu_ps(x + m * K + 16 * b);
       for (int r = 0; r < R; ++r) {
         const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b)));
         const int64_t g = r * G + (b >> s.shift);
         const __m512 d = _mm512_set1_ps(s.d[g]);
         const __m512 wv = s.m ? _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, _mm512_set1_ps(s.m[g]))
                               : _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
-        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_fmadd_ps(xv[m], wv, acc[m][r]);
+        for (int m = 0; m < M; ++m) acc[m][r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + 16 * b), wv, acc[m][r]);
       }
     }
   }
@@ -470,16 +464,20 @@ AVX512 void few_rows_tile_avx512(const WeightRows& w, int64_t n, const float* x,
 }
 
 // 2 .. kFewRows rows of x against weight rows n .. n + kOneRowTile - 1 (integer codes), in
-// passes of at most four rows of x, as even as possible (5 = 3 + 2: a pass of one row of x
+// passes of at most kPassRows rows of x, as even as possible (7 = 4 + 3: a pass of one row of x
 // would have too few independent accumulators).
+constexpr int64_t kPassRows = 6;
+
 AVX512 void few_rows_avx512(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
                             int64_t ldy, float* scratch) {
-  const int64_t passes = (M + 3) / 4;
+  const int64_t passes = (M + kPassRows - 1) / kPassRows;
   for (int64_t p = 0, m = 0; p < passes; ++p) {
     const int64_t rows = (M - m) / (passes - p);
     const float* xm = x + m * w.K;
     float* ym = y + m * ldy;
     switch (rows) {
+      case 6: few_rows_tile_avx512<6>(w, n, xm, ym, ldy, scratch); break;
+      case 5: few_rows_tile_avx512<5>(w, n, xm, ym, ldy, scratch); break;
       case 4: few_rows_tile_avx512<4>(w, n, xm, ym, ldy, scratch); break;
       case 3: few_rows_tile_avx512<3>(w, n, xm, ym, ldy, scratch); break;
       default: few_rows_tile_avx512<2>(w, n, xm, ym, ldy, scratch); break;
