@@ -14,6 +14,7 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
+from server.auth import bearer_token
 from server.errors import GENERATION_ERRORS, engine_error, error_body, install_error_handlers
 from server.handlers import (
     Prepared,
@@ -43,7 +44,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     install_error_handlers(app)
 
     def authorized(authorization: str | None = Header(default=None)) -> None:
-        state.check_api_key(authorization)
+        state.check_api_key(bearer_token(authorization))
 
     @app.get("/health")
     async def health():

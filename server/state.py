@@ -10,6 +10,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.core_process import AsyncEngineClient
+from server.auth import key_is_valid
 from server.errors import APIError
 from server.metrics import ServerMetrics
 from server.spec_log import log_spec_decode
@@ -129,12 +130,12 @@ class ServerState:
             )
         return max_tokens
 
-    def check_api_key(self, authorization: str | None) -> None:
+    def check_api_key(self, token: str | None) -> None:
+        """401 unless ``token`` (see server.auth) is a configured key, or none is configured."""
         keys = self.settings.api_keys
         if not keys:
             return
-        token = (authorization or "").removeprefix("Bearer ").strip()
-        if token not in keys:
+        if not key_is_valid(token, keys):
             raise APIError(
                 401,
                 "Invalid or missing API key (Authorization: Bearer <key>)",

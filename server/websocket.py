@@ -19,6 +19,7 @@ import time
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from server.auth import WEBSOCKET_SUBPROTOCOL, bearer_token, subprotocol_token
 from server.errors import (
     GENERATION_ERRORS,
     APIError,
@@ -125,10 +126,13 @@ class _Connection:
 def install_websocket(app: FastAPI, state: ServerState) -> None:
     @app.websocket("/v1/ws")
     async def websocket_endpoint(ws: WebSocket):
-        auth = ws.headers.get("authorization")
-        await ws.accept()
+        # The Authorization header, or (browsers) the key offered as a subprotocol.
+        offered = ws.scope.get("subprotocols") or []
+        token = bearer_token(ws.headers.get("authorization")) or subprotocol_token(offered)
+        chosen = WEBSOCKET_SUBPROTOCOL if WEBSOCKET_SUBPROTOCOL in offered else None
+        await ws.accept(subprotocol=chosen)  # never the key's own subprotocol
         try:
-            state.check_api_key(auth)
+            state.check_api_key(token)
         except APIError as e:
             await ws.send_text(json.dumps({"type": "error", **error_body(401, e.message)}))
             await ws.close(code=1008)

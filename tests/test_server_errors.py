@@ -10,6 +10,7 @@ import httpx
 import pytest
 import websockets
 
+from server.auth import key_subprotocol
 from tests.server_process import ServerProcess
 
 MODEL = "tiny"
@@ -94,6 +95,15 @@ def test_unknown_model_is_404(server):
     assert_openai_error(r, 404, param="model", contains="gpt-9")
 
 
+def test_the_bearer_scheme_is_case_insensitive_and_a_bare_key_is_refused(server):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 1}
+    for header, status in [(f"bearer {KEY}", 200), (f"BEARER {KEY}", 200), (KEY, 401)]:
+        r = httpx.post(
+            server.url + "/v1/completions", json=body, headers={"Authorization": header}, timeout=60
+        )
+        assert r.status_code == status, (header, r.text)
+
+
 @pytest.mark.parametrize("key", [None, "wrong"])
 def test_missing_or_wrong_api_key_is_401(server, key):
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT}, key=key)
@@ -160,7 +170,18 @@ def test_websocket_needs_the_api_key(server):
             await ws.send(json.dumps(request))
             return json.loads(await ws.recv())
 
+    async def allowed_by_subprotocol():
+        # Browsers cannot set headers: the key rides as a subprotocol; the server picks
+        # "specserve", never echoing the key.
+        offered = ["specserve", key_subprotocol(KEY)]
+        async with websockets.connect(url, subprotocols=offered) as ws:
+            assert ws.subprotocol == "specserve"
+            await ws.send(json.dumps(request))
+            return json.loads(await ws.recv())
+
     refused = asyncio.run(denied())
     assert refused["type"] == "error" and refused["error"]["type"] == "authentication_error"
     answer = asyncio.run(allowed())
+    assert answer["request_id"] == "r" and answer.get("type") != "error"
+    answer = asyncio.run(allowed_by_subprotocol())
     assert answer["request_id"] == "r" and answer.get("type") != "error"
