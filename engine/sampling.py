@@ -6,6 +6,7 @@ row from it, drawing from each row's own generator so that seeded requests are r
 whatever else shares the batch. A rejection sampler reuses `process_logits` and `probabilities`.
 """
 
+import math
 import numbers
 import secrets
 from collections.abc import Collection, Sequence
@@ -60,7 +61,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A real number, finite: JSON clients can send Infinity and NaN, which no field means."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _is_token_id(value: Any) -> bool:
@@ -123,7 +125,7 @@ class SamplingParams:
             value = getattr(self, name)
             _require(value is None or _is_int(value), name, "None or an integer", value)
         for name in _FLOAT_FIELDS:
-            _require(_is_number(getattr(self, name)), name, "a number", getattr(self, name))
+            _require(_is_number(getattr(self, name)), name, "a finite number", getattr(self, name))
 
     def _check_ranges(self) -> None:
         max_tokens, logprobs = self.max_tokens, self.logprobs

@@ -185,3 +185,16 @@ def test_websocket_needs_the_api_key(server):
     assert answer["request_id"] == "r" and answer.get("type") != "error"
     answer = asyncio.run(allowed_by_subprotocol())
     assert answer["request_id"] == "r" and answer.get("type") != "error"
+
+
+@pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
+def test_json_infinity_and_nan_are_400(server, field):
+    for value in (float("inf"), float("nan")):
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "min_tokens": 1, field: value}
+        r = httpx.post(  # json.dumps writes the literals Infinity / NaN, as some clients do
+            server.url + "/v1/completions",
+            content=json.dumps(body),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+            timeout=60,
+        )
+        assert_openai_error(r, 400, contains=field)
