@@ -45,6 +45,8 @@ class IncrementalDetokenizer:
     (the tokenizer's EOS is always included). Their text is held until the next ``push``
     shows the choice went on, or until ``finish`` decides; this is what lets
     ``finish(drop_last_token=True)`` leave out a stop token's text without delaying others.
+    ``min_tokens``: stop strings are not matched before that many tokens were generated
+    (vLLM's semantics: a stop string completed earlier is ordinary text).
     """
 
     def __init__(
@@ -55,12 +57,14 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
         *,
         stop_token_ids: Collection[int] = (),
+        min_tokens: int = 0,
     ):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._skipped_ids = _skipped_special_ids(tokenizer) if skip_special_tokens else frozenset()
         self._stops = tuple(dict.fromkeys(s for s in stop if s))  # "" would match everywhere
         self._longest_stop = max(map(len, self._stops), default=0)
+        self._min_tokens = min_tokens
         eos = getattr(tokenizer, "eos_token_id", None)
         self._hold_ids = frozenset(stop_token_ids) | ({eos} if isinstance(eos, int) else set())
         # Decode window: tokens [0, _read) were already turned into text (their decoding is
@@ -175,7 +179,10 @@ class IncrementalDetokenizer:
     def _resolve_stops(self, final: bool) -> None:
         """Emit the pending text that can no longer be part of a stop string."""
         pending = self._pending
-        match = self._earliest_stop(pending)
+        # Before min_tokens a complete stop string is text; a partial one is still held, as
+        # the token that reaches min_tokens may complete it.
+        active = self._token_count >= self._min_tokens
+        match = self._earliest_stop(pending) if active else None
         hold = len(pending) if final else self._partial_stop_start(pending)
         # A partial stop starting before the match could still complete and would then be
         # the earlier match, so the match only wins when nothing starts before it.

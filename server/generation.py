@@ -104,7 +104,13 @@ class RequestRun:
         # Their text is held back until the engine says whether they ended the choice.
         stop_ids = set(self.params.stop_token_ids) | set(self.client.info.eos_token_ids)
         detoks = [
-            IncrementalDetokenizer(self.tokenizer, prompt, self.stop, stop_token_ids=stop_ids)
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt,
+                self.stop,
+                stop_token_ids=stop_ids,
+                min_tokens=self.params.min_tokens,
+            )
             for _ in range(n)
         ]
         open_choices = set(range(n))

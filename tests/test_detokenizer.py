@@ -131,6 +131,18 @@ def test_stop_string_spanning_tokens_emits_text_before_it_only(tok):
         assert pieces[-1] == ""  # finish after a stop adds nothing
 
 
+def test_stop_strings_wait_for_min_tokens(tok):
+    ids = tok.encode("Hello world. Bye world!")  # Hello| world|.| By|e| world|!
+    # " world" completes at token 2: a stop from min_tokens 2 on, text before (vLLM).
+    detok, _ = stream(tok, ids, 1, stop=[" world"], min_tokens=2)
+    assert (detok.text, detok.token_count) == ("Hello", 2)
+    detok, _ = stream(tok, ids, 1, stop=[" world"], min_tokens=3)
+    assert detok.text == "Hello world. Bye" and detok.stop_string == " world"
+    assert detok.token_count == 6
+    detok, _ = stream(tok, ids, len(ids), stop=[" world"], min_tokens=7)
+    assert detok.text == "Hello world. Bye world!" and not detok.stopped
+
+
 def test_stop_string_completed_by_the_next_token(tok):
     detok = IncrementalDetokenizer(tok, [], [" world"])
     assert detok.push([458]).text == ""  # " wor": could be the stop, held back

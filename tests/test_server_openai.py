@@ -100,6 +100,20 @@ def test_stop_string_is_not_emitted(client):
     assert "".join(c.choices[0].text for c in streamed) == text[: text.index(stop)]
 
 
+def test_stop_strings_wait_for_min_tokens(client):
+    free = client.completions.create(model=MODEL, prompt="abc", **greedy(max_tokens=20))
+    text = free.choices[0].text
+    stop = text[:3]
+    assert stop.strip(), "need a non-blank stop string at the start of the text"
+    # min_tokens = max_tokens: the stop string (in the first tokens) is text, as in vLLM.
+    body = {"min_tokens": 20, "ignore_eos": True}
+    late = client.completions.create(
+        model=MODEL, prompt="abc", stop=[stop], extra_body=body, **greedy(max_tokens=20)
+    )
+    assert late.choices[0].finish_reason == "length" and late.choices[0].text.startswith(stop)
+    assert late.usage.completion_tokens == 20
+
+
 def test_include_usage_adds_a_final_usage_chunk(client):
     chunks = list(
         client.chat.completions.create(
