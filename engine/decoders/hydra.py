@@ -19,33 +19,28 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.decoders.base import Decoder, TargetContext
-from engine.decoders.trained_heads import TrainedHeadsDecoder, build_readout, load_drafter
+from engine.decoders.trained_heads import (
+    ResidualBlocks,
+    TrainedHeadsDecoder,
+    build_readout,
+    load_drafter,
+)
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
 
 
-class HydraHeads(nn.Module):
+class HydraHeads(ResidualBlocks):
     """Head j reads [f; e_1; ...; e_{j+1}]. Its input projection starts as the identity on f and
     zero on the embeddings, so every head starts as Medusa's initial guess."""
 
     def __init__(self, num_heads: int, hidden_size: int):
-        super().__init__()
+        super().__init__(num_heads, hidden_size)
         d = hidden_size
         self.inputs = nn.ParameterList(
             nn.Parameter(torch.cat([torch.eye(d), torch.zeros(d, (j + 1) * d)], dim=1))
             for j in range(num_heads)
         )
-        self.weight = nn.Parameter(torch.zeros(num_heads, d, d))
-        self.bias = nn.Parameter(torch.zeros(num_heads, d))
-
-    @property
-    def num_heads(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.weight.shape[1]
 
     def head(self, j: int, normed: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
         """[N, d] features and [N, j + 1, d] token embeddings -> [N, d] head j outputs."""

@@ -17,28 +17,20 @@ import torch
 from torch import nn
 
 from engine.decoders.base import Decoder, TargetContext
-from engine.decoders.trained_heads import TrainedHeadsDecoder, build_readout, load_drafter
+from engine.decoders.trained_heads import (
+    ResidualBlocks,
+    TrainedHeadsDecoder,
+    build_readout,
+    load_drafter,
+)
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
 
 
-class MedusaHeads(nn.Module):
-    """``num_heads`` residual blocks: head j maps h to h + SiLU(W_j h + b_j). W starts at zero
-    (Medusa's initialisation): every head starts as the target's own next-token guess."""
-
-    def __init__(self, num_heads: int, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
-        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
-
-    @property
-    def num_heads(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def hidden_size(self) -> int:
-        return self.weight.shape[1]
+class MedusaHeads(ResidualBlocks):
+    """Head j maps h to h + SiLU(W_j h + b_j). W starts at zero (Medusa's initialisation):
+    every head starts as the target's own next-token guess."""
 
     def forward(self, normed: torch.Tensor) -> torch.Tensor:
         """[B, d] final-normed hidden states -> [heads, B, d]."""

@@ -37,6 +37,24 @@ SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 MAX_TREE_NODES = 64
 
 
+class ResidualBlocks(nn.Module):
+    """The part both kinds of heads share: per head j, Medusa's residual block
+    x + SiLU(W_j x + b_j), with W starting at zero (the block starts as the identity)."""
+
+    def __init__(self, num_heads: int, hidden_size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    @property
+    def num_heads(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.weight.shape[1]
+
+
 @dataclass
 class HeadsDrafter:
     """A trained drafter: heads, draft vocabulary, and what it was trained for."""
