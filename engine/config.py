@@ -33,7 +33,7 @@ class SchedulerConfig(_Strict):
 
 
 DecoderName = Literal[
-    "autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra"
+    "autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle"
 ]
 
 
@@ -50,8 +50,8 @@ class DraftModelConfig(_Strict):
 
 
 class TrainedDrafterConfig(_Strict):
-    """A trained decoder's drafter (``medusa``, ``hydra``): a directory that ``specserve train
-    KIND`` writes; None takes the drafter shipped for the model, if one is."""
+    """A trained decoder's drafter (``medusa``, ``hydra``, ``eagle``): a directory that
+    ``specserve train KIND`` writes; None takes the drafter shipped for the model, if one is."""
 
     drafter: str | None = None
 
@@ -113,6 +113,7 @@ class DecoderConfig(_Strict):
     hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
     medusa: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
     hydra: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
+    eagle: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 

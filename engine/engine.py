@@ -260,7 +260,9 @@ class Engine:
             items = self.speculator.forward_items(scheduled, completing, proposals)
             hidden = None
             if self.speculator.reads_target_hidden:
-                out = self.runner.forward(items, hidden_layer=self.model.arch.num_layers - 1)
+                out = self.runner.forward(
+                    items, hidden_layer=self.model.arch.num_layers - 1, all_hidden=True
+                )
                 logits, hidden = out.logits, out.hidden_states
             else:
                 logits = self.runner.run(items)

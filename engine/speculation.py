@@ -175,8 +175,8 @@ class Speculator:
     ) -> tuple[list[tuple[Sequence, list[SampledToken]]], dict[Sequence, int]]:
         """Accept drafts: returns each completing sequence's new tokens, and how many of each
         drafting sequence's drafts stood (the engine marks them computed, with the step's
-        tokens, and releases the rest). ``hidden``: the target's last hidden states of the
-        logits rows, for decoders that read them.
+        tokens, and releases the rest). ``hidden``: the target's last-layer hidden states of
+        every token row, for decoders that read them.
 
         Call after the forward pass and before the sequences' token counts move on.
         """
@@ -192,7 +192,7 @@ class Speculator:
                 runs.append(DraftRun(seq, p.token_ids, p.draft_probs, seq.generator, p.parents))
             seqs.append(s)
         verified = self.rejection_sampler(logits, runs)
-        results, accepted = [], {}
+        results, accepted, paths = [], {}, {}
         for s, run, v in zip(seqs, runs, verified, strict=True):
             k = len(run.draft_token_ids)
             if run.parents is not None:
@@ -204,16 +204,28 @@ class Speculator:
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
             accepted[s.seq] = v.num_accepted
-        if self.gate.enabled or hidden is not None:
+            paths[s.seq] = v.path
+        if self.gate.enabled:
             rows = _last_token_rows(runs, verified)
-            if self.gate.enabled:
-                self._observe_target_confidence(logits, runs, verified, rows)
-            if hidden is not None:
-                for run, row in zip(runs, rows, strict=True):
-                    decoder = self.decoder_of(run.row)
-                    if decoder is not None and decoder.reads_target_hidden:
-                        decoder.observe_target_hidden(run.row, hidden[row])
+            self._observe_target_confidence(logits, runs, verified, rows)
+        if hidden is not None:
+            self._hand_out_features(hidden, scheduled, proposals, paths)
         return results, accepted
+
+    def _hand_out_features(self, hidden, scheduled, proposals, paths) -> None:
+        """Give each feature-reading decoder the target's hidden states of the tokens that
+        stand: the step's tokens, then the accepted drafts (a tree's along its path). ``hidden``
+        has a row per token of the step's forward items, in order."""
+        row = 0
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            drafts = len(proposals[seq].token_ids) if s.num_lookahead else 0
+            decoder = self.decoder_of(seq)
+            if decoder is not None and decoder.reads_target_hidden:
+                rows = list(range(row, row + n)) + [row + n + node for node in paths.get(seq, [])]
+                features = hidden[row : row + n] if len(rows) == n else hidden[rows]
+                decoder.observe_target_features(seq, seq.num_computed_tokens, features)
+            row += n + drafts
 
     def _compact_path(self, s: ScheduledSequence, path: list[int]) -> None:
         """Copy the K/V of the accepted drafts (tree indices ``path``) into the slots after the

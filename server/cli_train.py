@@ -8,19 +8,60 @@ from pathlib import Path
 from server.cli_generate import add_model_arguments, engine_config_from_args
 
 
-def _cmd_train_heads(args: argparse.Namespace) -> int:
+def _prompts(args: argparse.Namespace) -> tuple[list, list] | None:
+    """--prompts as (training, held-out), or None for the built-in prompts."""
+    if min(args.num_prompts, args.held_out, args.max_tokens, args.epochs) < 1:
+        raise ValueError("--num-prompts, --held-out, --max-tokens, --epochs must be >= 1")
+    if not args.prompts:
+        return None
+    lines = [line.strip() for line in Path(args.prompts).read_text().splitlines()]
+    lines = [line for line in lines if line]
+    if len(lines) <= args.held_out:
+        raise ValueError(f"{args.prompts}: {len(lines)} prompts, need more than --held-out")
+    return lines[: -args.held_out], lines[-args.held_out :]
+
+
+def _training_llm(args: argparse.Namespace):
+    """The target, alone (no decoder), with room for the answers' batches."""
     from engine.llm import LLM
+
+    config = engine_config_from_args(args).with_overrides(
+        decoder={"method": "autoregressive", "extra_methods": []},
+        scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
+    )
+    return LLM(config=config)
+
+
+def _cmd_train_eagle(args: argparse.Namespace) -> int:
+    from engine.training.train_eagle import EagleTrainOptions, run_train_eagle
+
+    prompts = _prompts(args)
+    if args.depth < 1:
+        raise ValueError("--depth must be >= 1")
+    options = EagleTrainOptions(
+        output=Path(args.output),
+        num_prompts=args.num_prompts,
+        num_held_out=args.held_out,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        depth=args.depth,
+        draft_vocab_size=args.draft_vocab,
+        epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        resume=args.resume,
+        prompts=prompts,
+    )
+    run_train_eagle(_training_llm(args), options)
+    return 0
+
+
+def _cmd_train_heads(args: argparse.Namespace) -> int:
     from engine.training.train_heads import HeadsTrainOptions, run_train_heads
 
-    if min(args.num_prompts, args.held_out, args.max_tokens, args.heads, args.epochs) < 1:
-        raise ValueError("--num-prompts, --held-out, --max-tokens, --heads, --epochs must be >= 1")
-    prompts = None
-    if args.prompts:
-        lines = [line.strip() for line in Path(args.prompts).read_text().splitlines()]
-        lines = [line for line in lines if line]
-        if len(lines) <= args.held_out:
-            raise ValueError(f"{args.prompts}: {len(lines)} prompts, need more than --held-out")
-        prompts = (lines[: -args.held_out], lines[-args.held_out :])
+    prompts = _prompts(args)
+    if args.heads < 1:
+        raise ValueError("--heads must be >= 1")
     options = HeadsTrainOptions(
         kind=args.train,
         output=Path(args.output),
@@ -36,11 +77,7 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
         resume=args.resume,
         prompts=prompts,
     )
-    config = engine_config_from_args(args).with_overrides(
-        decoder={"method": "autoregressive", "extra_methods": []},
-        scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
-    )
-    run_train_heads(LLM(config=config), options)
+    run_train_heads(_training_llm(args), options)
     return 0
 
 
@@ -54,6 +91,27 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     }
     for kind, what in descriptions.items():
         _add_heads_parser(which, kind, what)
+    _add_eagle_parser(which)
+
+
+def _add_eagle_parser(which) -> None:
+    p = which.add_parser(
+        "eagle",
+        help="train EAGLE's one-layer feature-level drafter and write a drafter directory",
+        description=(
+            "Self-distillation: the model answers specserve's own training prompts (cached in "
+            "--output and shared with the other drafters' training), one teacher-forced pass "
+            "takes its features at every position, and a one-layer drafter learns to predict "
+            "the next feature and the model's next-token distribution from the token and the "
+            "feature before it, unrolled --depth steps on its own guesses as when drafting. "
+            "Checkpoints every epoch (--resume), held-out accuracy per depth at the end, and "
+            "a directory that `--decoder eagle --drafter DIR` loads."
+        ),
+    )
+    _add_common_arguments(p)
+    p.add_argument("--depth", type=int, default=3, help="draft steps it is trained to unroll")
+    p.add_argument("--epochs", type=int, default=3)
+    p.set_defaults(func=_cmd_train_eagle)
 
 
 def _add_heads_parser(which, kind: str, what: str) -> None:
@@ -68,6 +126,13 @@ def _add_heads_parser(which, kind: str, what: str) -> None:
             f"at the end, and a directory that `--decoder {kind} --drafter DIR` loads."
         ),
     )
+    _add_common_arguments(p)
+    p.add_argument("--heads", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=4)
+    p.set_defaults(func=_cmd_train_heads)
+
+
+def _add_common_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     p.add_argument("--output", required=True, help="drafter directory to write")
     p.add_argument(
@@ -79,10 +144,7 @@ def _add_heads_parser(which, kind: str, what: str) -> None:
     p.add_argument("--held-out", type=int, default=48, help="held-out prompts")
     p.add_argument("--max-tokens", type=int, default=192, help="answer length")
     p.add_argument("--temperature", type=float, default=0.0, help="of the answers (0: greedy)")
-    p.add_argument("--heads", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
-    p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")
-    p.set_defaults(func=_cmd_train_heads)

@@ -22,7 +22,12 @@ from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling import probabilities, process_logits
 from tests.stats import chi_square_p_value
-from tests.tiny_models import save_heads_drafter, save_perturbed_copy, save_tiny_model
+from tests.tiny_models import (
+    save_eagle_drafter,
+    save_heads_drafter,
+    save_perturbed_copy,
+    save_tiny_model,
+)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -51,10 +56,11 @@ PARAMS = {
 # hierarchy's level 1 being its first layer, and an entropy window (tau inside the model's
 # range of entropies) that may stop a chain at one draft. tau2 above every entropy keeps
 # level 2 drafting to k. "medusa", "hydra": random heads whose two drafts are siblings (a tree).
+# "eagle": a random EAGLE layer, whose drafts are drawn from its q.
 DECODERS = {
     "self": {
         "method": "ngram",
-        "extra_methods": ["draft", "layerskip", "hierarchical", "medusa", "hydra"],
+        "extra_methods": ["draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle"],
         "draft": {"model": "self", "quantization": "int8"},
         "layerskip": {"skip_attention": [1], "skip_mlp": [2]},
         "hierarchical": {"level1": "ngram", "tau2": 10.0},
@@ -74,6 +80,7 @@ CASES = {
     "hierarchical-ngram": ("self", "hierarchical"),
     "medusa-tree": ("self", "medusa"),
     "hydra-tree": ("self", "hydra"),
+    "eagle": ("self", "eagle"),
     "draft-separate": ("separate", "draft"),
     "hierarchical-draft_truncated": ("separate", "hierarchical"),
 }
@@ -96,6 +103,7 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
         kind: save_heads_drafter(target_dir, tmp_path_factory.mktemp(kind) / "d", kind, scale=0.05)
         for kind in ("medusa", "hydra")
     }
+    trained["eagle"] = save_eagle_drafter(target_dir, tmp_path_factory.mktemp("eagle") / "d")
     built = {}
     for name, spec in DECODERS.items():
         for kind, drafter in trained.items():

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.decoders.trained_heads import HeadsDrafter, rank_tree
+from engine.decoders.drafter_files import TrainedDrafter
+from engine.decoders.trained_heads import rank_tree
 from engine.models.llama import rms_norm
 from engine.training.self_distillation import Answers, answer_features
 from engine.training.train_heads import HEADS, HeadsTrainOptions, run_train_heads
@@ -52,8 +53,8 @@ def trained_llm(kind, model_dir, drafter, **overrides) -> LLM:
 def test_drafter_directory_round_trips_and_refuses_another_model(
     kind, drafter_dir, tiny_model_dir, tmp_path
 ):
-    drafter = HeadsDrafter.load(drafter_dir, kind, HEADS[kind])
-    assert drafter.heads.num_heads == 3 and len(drafter.draft_vocab) == 320
+    drafter = TrainedDrafter.load(drafter_dir, kind, HEADS[kind])
+    assert drafter.network.num_heads == 3 and len(drafter.draft_vocab) == 320
     other = tmp_path / "other"
     drafter.target = {**drafter.target, "hidden_size": 1}
     drafter.save(other)
@@ -120,12 +121,12 @@ def test_greedy_equals_autoregressive_batched_preempted_and_aborted(
 def test_hydra_heads_read_the_path_they_extend(tiny_model_dir, tmp_path):
     # Two paths with the same first candidate rank but different tokens get different
     # children: the depth-2 candidates depend on the depth-1 token.
-    drafter = HeadsDrafter.load(
+    drafter = TrainedDrafter.load(
         save_heads_drafter(tiny_model_dir, tmp_path / "d", "hydra", scale=0.2),
         "hydra",
         HEADS["hydra"],
     )
-    heads, d = drafter.heads, drafter.heads.hidden_size
+    heads, d = drafter.network, drafter.network.hidden_size
     features = torch.randn(1, d)
     embeddings = torch.randn(2, 2, d)
     embeddings[1, 0] = embeddings[0, 0]  # same decode token, different first draft

@@ -72,7 +72,7 @@ def save_heads_drafter(model_dir: Path, path: Path, kind: str = "medusa", num_he
 
     import torch
 
-    from engine.decoders.trained_heads import HeadsDrafter
+    from engine.decoders.drafter_files import TrainedDrafter
     from engine.training.train_heads import HEADS
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -84,5 +84,32 @@ def save_heads_drafter(model_dir: Path, path: Path, kind: str = "medusa", num_he
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
     target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
     accuracies = [[0.5, 0.3, 0.1] for _ in range(num_heads)]
-    HeadsDrafter(kind, heads, torch.arange(vocab), accuracies, target, {"test": True}).save(path)
+    TrainedDrafter(kind, heads, torch.arange(vocab), accuracies, target, {"test": True}).save(path)
+    return path
+
+
+def save_eagle_drafter(model_dir: Path, path: Path, seed: int = 0, scale: float = 1.0) -> Path:
+    """An EAGLE drafter for the tiny model: a randomly initialised layer (PyTorch's default
+    initialisation, scaled), the whole vocabulary as draft vocabulary."""
+    import json
+
+    from engine.decoders.drafter_files import TrainedDrafter
+    from engine.decoders.eagle import EagleNetwork
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    torch.manual_seed(seed)
+    network = EagleNetwork(
+        hidden, heads, kv_heads, hidden // heads, config["intermediate_size"],
+        config["rms_norm_eps"],
+    )  # fmt: skip
+    with torch.no_grad():
+        for parameter in network.parameters():
+            parameter.mul_(scale)
+    target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
+    accuracies = [[0.5, 0.2], [0.4, 0.2]]
+    TrainedDrafter("eagle", network, torch.arange(vocab), accuracies, target, {"test": True}).save(
+        path
+    )
     return path

@@ -6,7 +6,9 @@ from engine.decoders.base import Decoder, Proposal, TargetContext
 from engine.decoders.ngram import NgramDecoder
 from engine.speculative_options import SpeculativeOptions
 
-DECODERS = ("autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra")
+DECODERS = (
+    "autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle"
+)
 
 
 def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> Decoder:
@@ -35,6 +37,10 @@ def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> De
         from engine.decoders.hydra import build_hydra_decoder
 
         return build_hydra_decoder(config, target)
+    if name == "eagle":
+        from engine.decoders.eagle import build_eagle_decoder
+
+        return build_eagle_decoder(config, target)
     if name == "autoregressive":
         return Decoder()
     raise ValueError(f"unknown decoder {name!r}; known: {', '.join(DECODERS)}")

@@ -59,8 +59,9 @@ class Decoder:
     """Plain autoregressive decoding: no drafts. Drafting decoders override the hooks."""
 
     name = "autoregressive"
-    # Drafters on the target's features (Medusa heads) set this: each step then also returns
-    # the target's last hidden states, and ``observe_target_hidden`` gets each sequence's.
+    # Drafters on the target's features (Medusa heads, EAGLE) set this: each step then also
+    # returns the target's last-layer hidden states, and ``observe_target_features`` gets
+    # each sequence's.
     reads_target_hidden = False
 
     def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
@@ -77,10 +78,14 @@ class Decoder:
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """The target accepted the first ``num_accepted`` drafts of ``proposal``."""
 
-    def observe_target_hidden(self, seq: Sequence, hidden: torch.Tensor) -> None:
-        """The target's last-layer hidden state (before the final norm) at the position whose
-        logits gave ``seq``'s newest token: its next decode token's predecessor. Called after
-        every step that gave ``seq`` tokens, when ``reads_target_hidden``."""
+    def observe_target_features(
+        self, seq: Sequence, first_position: int, features: torch.Tensor
+    ) -> None:
+        """The target's last-layer hidden states (before the final norm), [m, d], of the tokens
+        at positions ``first_position`` .. + m - 1 that this step computed and that stand (a
+        prefill chunk; a decode token and its accepted drafts). The last row of a step that
+        gave ``seq`` tokens is the position whose logits gave its newest token. Called after
+        every step that computed tokens of ``seq``, when ``reads_target_hidden``."""
 
 
 @dataclass

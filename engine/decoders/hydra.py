@@ -19,12 +19,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.decoders.base import Decoder, TargetContext
-from engine.decoders.trained_heads import (
-    ResidualBlocks,
-    TrainedHeadsDecoder,
-    build_readout,
-    load_drafter,
-)
+from engine.decoders.drafter_files import build_readout, load_drafter
+from engine.decoders.trained_heads import ResidualBlocks, TrainedHeadsDecoder
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig

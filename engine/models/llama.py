@@ -237,6 +237,7 @@ class LlamaModel(nn.Module):
         skip_attention: frozenset[int] = frozenset(),
         skip_mlp: frozenset[int] = frozenset(),
         compute_logits: bool = True,
+        all_hidden: bool = False,
     ) -> ModelOutput:
         """Run a flattened batch.
 
@@ -245,7 +246,8 @@ class LlamaModel(nn.Module):
         returns the hidden states after that layer (for early exit and draft heads), for the
         rows selected by ``logits_indices``. ``skip_attention`` and ``skip_mlp`` name layers
         whose attention or MLP sublayer is skipped. ``compute_logits=False`` skips the LM head
-        (drafter training reads only hidden states).
+        (drafter training reads only hidden states). ``all_hidden`` returns the hidden states
+        of every token row instead (a feature-level drafter reads them all).
         """
         hidden = self.embed(input_ids)
         rope = self.rope.lookup(positions)
@@ -263,7 +265,7 @@ class LlamaModel(nn.Module):
                     captured = hidden.clone()  # later layers may update ``hidden`` in place
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
-            if captured is not None:
+            if captured is not None and not all_hidden:
                 captured = captured.index_select(0, logits_indices)
         logits = self.logits(hidden) if compute_logits else None
         return ModelOutput(logits=logits, hidden_states=captured)

@@ -163,6 +163,10 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
         Variant("hydra", {"method": "hydra"}),
         Variant("hydra-k2", {"method": "hydra", "num_speculative_tokens": 2}),
         Variant("hydra-k8", {"method": "hydra", "num_speculative_tokens": 8}),
+        # The EAGLE drafter shipped for the model; k is the chain's length.
+        Variant("eagle", {"method": "eagle"}),
+        Variant("eagle-k2", {"method": "eagle", "num_speculative_tokens": 2}),
+        Variant("eagle-k3", {"method": "eagle", "num_speculative_tokens": 3}),
         Variant("draft-int8-adaptive", draft(window={"policy": "adaptive_exit"})),
         Variant("draft-int8-entropy", draft(window={"policy": "entropy"})),
         Variant("draft-int8-gate0.3", draft(gate={"min_target_prob": 0.3})),

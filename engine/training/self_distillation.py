@@ -4,13 +4,14 @@ them.
 A drafter is right when it guesses what the target would say next, so it learns from text the
 target wrote: each prompt is answered by our engine (batched; greedy by default, as the
 greedy output is what a lossless drafter must match most often), and one teacher-forced pass
-over prompt + answer gives the target's final-normed last-layer hidden state at every answer
-position (what a feature-level drafter reads when drafting).
+over prompt + answer gives the target's final-normed last-layer hidden state at every position
+(what a feature-level drafter reads when drafting).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -56,47 +57,90 @@ def generate_answers(
     return Answers(sequences, starts)
 
 
+ANSWERS_FILE = "answers.pt"
+
+
+def progress_bar(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True)
+
+
+def cached_answers(llm, options, prompts: tuple[list, list]) -> dict[str, Answers]:
+    """The target's answers to the (training, held-out) ``prompts``, from
+    ``options.output / answers.pt`` when it holds answers made with the same options (the
+    slow part of training: every drafter kind of one model can share them)."""
+    path = Path(options.output) / ANSWERS_FILE
+    wanted = {k: getattr(options, k) for k in ("num_prompts", "num_held_out", "max_tokens")}
+    wanted |= {"temperature": options.temperature, "seed": options.seed}
+    wanted |= {"prompts": options.prompts}
+    if path.is_file():
+        cached = torch.load(path, weights_only=False)
+        if cached["options"] == wanted:
+            print(f"answers: cached in {path}")
+            return cached["answers"]
+    answers = {}
+    for split, texts in zip(("train", "held_out"), prompts, strict=True):
+        with progress_bar(len(texts), f"{split}: answering") as bar:
+            answers[split] = generate_answers(
+                llm, texts, options.max_tokens, options.temperature, options.generation_batch,
+                bar.update,
+            )  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"options": wanted, "answers": answers}, path)
+    return answers
+
+
 @torch.inference_mode()
-def answer_features(model, answers: Answers, batch_tokens: int = 4096, progress=None):
-    """[rows, d] final-normed last-layer hidden states, with each row's sequence index and
-    position: one row per position from each answer's last prompt token to its second-to-last
-    token (the positions whose next token is an answer token)."""
+def sequence_features(model, sequences: list[list[int]], batch_tokens: int = 4096, progress=None):
+    """Per sequence, [len, d] final-normed last-layer hidden states at every position, in
+    teacher-forced passes of up to ``batch_tokens`` tokens."""
     arch = model.arch
     block = 16
-    features, owners, where = [], [], []
-    order = list(range(len(answers.sequences)))
+    out: list[torch.Tensor] = []
+    order = list(range(len(sequences)))
     while order:
         group, total = [], 0
-        while order and (not group or total + len(answers.sequences[order[0]]) <= batch_tokens):
+        while order and (not group or total + len(sequences[order[0]]) <= batch_tokens):
             group.append(order.pop(0))
-            total += len(answers.sequences[group[-1]])
-        blocks = [(len(answers.sequences[i]) + block - 1) // block for i in group]
+            total += len(sequences[group[-1]])
+        blocks = [(len(sequences[i]) + block - 1) // block for i in group]
         geometry = (arch.num_layers, sum(blocks), block, arch.num_kv_heads, arch.head_dim)
         cache = KVCache(*geometry, model.dtype, "cpu")
-        slices, ids, positions, rows, first_block, row = [], [], [], [], 0, 0
+        slices, ids, positions, first_block = [], [], [], 0
         for i, nb in zip(group, blocks, strict=True):
-            tokens = answers.sequences[i]
+            tokens = sequences[i]
             slices.append(SequenceSlice(0, len(tokens), list(range(first_block, first_block + nb))))
             ids += tokens
             positions += range(len(tokens))
-            start = answers.answer_starts[i]
-            rows += range(row + start - 1, row + len(tokens) - 1)
-            owners += [i] * (len(tokens) - start)
-            where += range(start - 1, len(tokens) - 1)
             first_block += nb
-            row += len(tokens)
         meta = build_attention_metadata(slices, block, arch.head_dim, "cpu", arch.sliding_window)
-        out = model(
+        hidden = model(
             torch.tensor(ids),
             torch.tensor(positions),
             cache.layers,
             meta,
-            logits_indices=torch.tensor(rows),
             hidden_layer=arch.num_layers - 1,
             compute_logits=False,
-        )
-        hidden = out.hidden_states.float()
-        features.append(rms_norm(hidden, model.final_norm.float(), arch.rms_norm_eps))
+            all_hidden=True,
+        ).hidden_states.float()
+        normed = rms_norm(hidden, model.final_norm.float(), arch.rms_norm_eps)
+        out += list(normed.split([len(sequences[i]) for i in group]))
         if progress is not None:
             progress(len(group))
+    return out
+
+
+def answer_features(model, answers: Answers, batch_tokens: int = 4096, progress=None):
+    """[rows, d] final-normed last-layer hidden states, with each row's sequence index and
+    position: one row per position from each answer's last prompt token to its second-to-last
+    token (the positions whose next token is an answer token)."""
+    per_sequence = sequence_features(model, answers.sequences, batch_tokens, progress)
+    features, owners, where = [], [], []
+    for i, (tokens, start) in enumerate(
+        zip(answers.sequences, answers.answer_starts, strict=True)
+    ):
+        features.append(per_sequence[i][start - 1 : len(tokens) - 1])
+        owners += [i] * (len(tokens) - start)
+        where += range(start - 1, len(tokens) - 1)
     return torch.cat(features), torch.tensor(owners), torch.tensor(where)

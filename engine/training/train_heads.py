@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.decoders.drafter_files import TrainedDrafter, target_signature
 from engine.decoders.hydra import HydraHeads
 from engine.decoders.medusa import MedusaHeads
-from engine.decoders.trained_heads import HeadsDrafter, rank_tree, target_signature
+from engine.decoders.trained_heads import rank_tree
 from engine.training.prompts import train_and_held_out
-from engine.training.self_distillation import answer_features, generate_answers
+from engine.training.self_distillation import answer_features, cached_answers, progress_bar
 
 DATA_FILE, CHECKPOINT_FILE = "data.pt", "checkpoint.pt"
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
@@ -53,44 +54,31 @@ class HeadsTrainOptions:
     prompts: tuple[list, list] | None = None
 
 
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="it", dynamic_ncols=True)
-
-
 def _data(llm, options: HeadsTrainOptions) -> dict:
-    """Answers and features for the training and held-out prompts, from the cache if there."""
+    """Answers and the features along them for the training and held-out prompts; the
+    features are cached beside the answers, so ``--resume`` (or a second run) skips both."""
     path = options.output / DATA_FILE
-    wanted = {k: getattr(options, k) for k in ("num_prompts", "num_held_out", "max_tokens")}
-    wanted |= {"temperature": options.temperature, "seed": options.seed}
-    wanted |= {"prompts": options.prompts}
-    if path.is_file():
-        data = torch.load(path, weights_only=False)
-        if data["options"] == wanted:
-            print(f"data: cached in {path}")
-            return data
-    train_prompts, held_prompts = options.prompts or train_and_held_out(
+    prompts = options.prompts or train_and_held_out(
         options.num_prompts, options.num_held_out, options.seed
     )
-    data = {"options": wanted}
-    for split, prompts in (("train", train_prompts), ("held_out", held_prompts)):
-        with _progress(len(prompts), f"{split}: answering") as bar:
-            answers = generate_answers(
-                llm, prompts, options.max_tokens, options.temperature,
-                options.generation_batch, bar.update,
-            )  # fmt: skip
-        with _progress(len(prompts), f"{split}: hidden states") as bar:
+    answers = cached_answers(llm, options, prompts)
+    if path.is_file():
+        data = torch.load(path, weights_only=False)
+        if all(data[k]["sequences"] == answers[k].sequences for k in answers):
+            print(f"features: cached in {path}")
+            return data
+    data = {}
+    for split, split_answers in answers.items():
+        with progress_bar(len(split_answers.sequences), f"{split}: hidden states") as bar:
             features, owners, positions = answer_features(
-                llm.engine.model, answers, progress=bar.update
+                llm.engine.model, split_answers, progress=bar.update
             )
         data[split] = {
-            "sequences": answers.sequences,
+            "sequences": split_answers.sequences,
             "features": features.to(torch.float16),
             "owners": owners,
             "positions": positions,
         }
-    options.output.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data
 
@@ -148,7 +136,7 @@ def top_accuracies(heads, readout, embed, features, inputs, targets, top_k: int,
     return (hits / seen.clamp_min(1)[:, None]).tolist()
 
 
-def run_train_heads(llm, options: HeadsTrainOptions) -> HeadsDrafter:
+def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
     from engine.models.draft_copies import dense_weight
 
     started = time.monotonic()
@@ -187,7 +175,7 @@ def run_train_heads(llm, options: HeadsTrainOptions) -> HeadsDrafter:
     for epoch in range(first_epoch, options.epochs):
         order = torch.randperm(len(features), generator=torch.Generator().manual_seed(epoch))
         total = 0.0
-        with _progress(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
+        with progress_bar(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
             for step in range(steps):
                 rows = order[step * options.batch_size : (step + 1) * options.batch_size]
                 logits = _logits(heads, readout, embed, features[rows], train_inputs[rows])
@@ -215,7 +203,7 @@ def run_train_heads(llm, options: HeadsTrainOptions) -> HeadsDrafter:
         tree = rank_tree(accuracies, n)
         expected = sum(_path_value(accuracies, path) for path in tree)
         print(f"expected accepted drafts per step, tree of {n} nodes: {expected:.2f}")
-    drafter = HeadsDrafter(
+    drafter = TrainedDrafter(
         options.kind,
         heads,
         vocab,

@@ -1,0 +1,131 @@
+"""Trained drafters on disk, and what every trained drafter reads out through.
+
+A drafter directory (``specserve train KIND`` writes one) holds ``config.json`` (its kind, the
+network's shape, held-out accuracies, the target's shape, how it was trained) and
+``drafter.safetensors`` (the network's weights in float16 and the draft vocabulary). Drafters
+trained for the shipped model(s) live in ``engine/drafters/<model>/<kind>`` and are found by the
+target's shape.
+
+The readout is the target's own LM head cut to the draft vocabulary (the tokens the target
+writes most: the full head is a fifth of SmolLM2's weights, and reading its 49152 rows per draft
+would cost a quarter of a target step), int8 in the kernels' layout where the target runs the
+C++ kernels. A drafter's numerics only decide how often it is right, never the output.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "drafter.safetensors"
+SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
+
+
+@dataclass
+class TrainedDrafter:
+    """A trained drafter: its network, draft vocabulary, and what it was trained for. The
+    network's ``shape`` (a dict of its constructor's arguments) rebuilds it on load."""
+
+    kind: str  # "medusa", "hydra" or "eagle"
+    network: nn.Module
+    draft_vocab: torch.Tensor  # [V'] int64: token id of each readout row
+    # Held-out: [head or depth][i] P(the i-th candidate is the token).
+    accuracies: list[list[float]]
+    target: dict  # hidden_size, vocab_size, num_layers of the model it was trained on
+    info: dict  # how it was trained (command, data, time), for the record
+
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {
+            f"network.{name}": value.detach().to(torch.float16).contiguous()
+            for name, value in self.network.state_dict().items()
+        }
+        tensors["draft_vocab"] = self.draft_vocab.to(torch.int64).contiguous()
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+        config = {
+            "type": self.kind,
+            "shape": self.network.shape,
+            "draft_vocab_size": len(self.draft_vocab),
+            "accuracies": self.accuracies,
+            "target": self.target,
+            "training": self.info,
+        }
+        (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path, kind: str, network_class: type) -> TrainedDrafter:
+        from safetensors.torch import load_file
+
+        directory = Path(directory)
+        config_path = directory / CONFIG_FILE
+        if not config_path.is_file():
+            raise ValueError(f"{directory} is not a drafter directory (no {CONFIG_FILE})")
+        config = json.loads(config_path.read_text())
+        if config.get("type") != kind:
+            raise ValueError(f"{directory} holds a {config.get('type')!r} drafter, not {kind}")
+        tensors = load_file(str(directory / WEIGHTS_FILE))
+        network = network_class(**config["shape"])
+        state = {
+            name.removeprefix("network."): value.float()
+            for name, value in tensors.items()
+            if name.startswith("network.")
+        }
+        network.load_state_dict(state)
+        return cls(
+            kind,
+            network.eval(),
+            tensors["draft_vocab"],
+            config["accuracies"],
+            config["target"],
+            config.get("training", {}),
+        )
+
+
+def target_signature(model) -> dict:
+    arch = model.arch
+    return {
+        "hidden_size": arch.hidden_size,
+        "vocab_size": arch.vocab_size,
+        "num_layers": arch.num_layers,
+    }
+
+
+def find_shipped_drafter(kind: str, model) -> Path | None:
+    """The shipped drafter of ``kind`` trained on a model of ``model``'s shape, if any."""
+    wanted = target_signature(model)
+    for config in sorted(SHIPPED_DRAFTERS.glob(f"*/{kind}/{CONFIG_FILE}")):
+        if json.loads(config.read_text()).get("target") == wanted:
+            return config.parent
+    return None
+
+
+def load_drafter(path: str | None, kind: str, network_class: type, model) -> TrainedDrafter:
+    """The drafter at ``path``, or the one shipped for ``model``; checked against its shape."""
+    found = Path(path) if path else find_shipped_drafter(kind, model)
+    if found is None:
+        raise ValueError(
+            f"no {kind} drafter ships for this model's shape: train one with "
+            f"`specserve train {kind}` and set decoder.{kind}.drafter (or --drafter)"
+        )
+    drafter = TrainedDrafter.load(found, kind, network_class)
+    if drafter.target != target_signature(model):
+        raise ValueError(
+            f"{kind} drafter {found} was trained for {drafter.target}, "
+            f"not this model ({target_signature(model)})"
+        )
+    return drafter
+
+
+def build_readout(model, draft_vocab: torch.Tensor) -> nn.Module:
+    """The target's LM head rows of the draft vocabulary, int8."""
+    from engine.models.draft_copies import dense_weight, quantized_dense
+
+    rows = dense_weight(model.lm_head)[draft_vocab]
+    return quantized_dense(rows, None, "int8", model)

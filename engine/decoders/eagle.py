@@ -1,0 +1,265 @@
+"""EAGLE (Li et al. 2024): a one-layer drafter that works on the target's features.
+
+The drafter's entry at position p reads the token there and the target's final-normed
+last-layer feature one position earlier, ``x_p = fc([embed(token_p); f_{p-1}])``, runs one
+Llama decoder layer of its own (attention over its own K/V of the earlier entries), and its
+output g_p predicts f_p: read out through the target's LM head cut to the draft vocabulary
+(``engine.decoders.drafter_files``), it guesses token p + 1. Drafting goes on from guesses: the
+next entry reads the draft token and g_p in place of the target's feature, as at inference in
+the paper; ``specserve train eagle`` trains on exactly those inputs (EAGLE-3's training-time
+test), so the drafter has seen its own guesses at every depth it drafts.
+
+**Its K/V** live in a one-layer cache of the drafter's own over the target's block ids (as a
+separate draft model's do), so the target's allocation, rollback, prefix caching and freeing
+cover them. Entries computed from guesses are replaced once the target's features for those
+positions are known: after a verification only the decode token's entry stands, and the next
+round first re-reads the accepted tokens with the target's features. A position whose
+previous feature was never seen (the first token, or the first token after a prefix-cache hit)
+reads a zero feature, as the drafter was trained at position 0.
+
+Drafts are drawn from the drafter's processed distribution q (``ModelDrafter``: greedy requests
+take its argmax), so verification is the general rejection rule: lossless for every sampling
+parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from engine.attention import SequenceSlice, build_attention_metadata
+from engine.decoders.base import Proposal, TargetContext
+from engine.decoders.drafter_files import build_readout, load_drafter
+from engine.decoders.drafting import ModelDrafter
+from engine.decoders.model_draft import ModelDraftDecoder
+from engine.decoders.windows import build_window
+from engine.kv_cache import KVCache
+from engine.models.linear import Linear
+from engine.models.llama import DecoderLayer, rms_norm
+from engine.models.rope import rotate
+
+if TYPE_CHECKING:
+    from engine.config import DecoderConfig
+    from engine.sequence import Sequence
+
+
+class EagleNetwork(nn.Module):
+    """The drafter's weights, and its training-time forward (padded batches of whole
+    sequences; the engine runs the same layer through ``DecoderLayer`` on the paged cache).
+    Attention heads and head size are the target's: the layer uses the target's rope."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate_size: int,
+        rms_norm_eps: float,
+    ):
+        super().__init__()
+        d = hidden_size
+        self.shape = {
+            "hidden_size": hidden_size,
+            "num_heads": num_heads,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "intermediate_size": intermediate_size,
+            "rms_norm_eps": rms_norm_eps,
+        }
+        self.fc = nn.Linear(2 * d, d)
+        self.input_norm = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Linear(d, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
+        self.o = nn.Linear(num_heads * head_dim, d, bias=False)
+        self.post_attention_norm = nn.Parameter(torch.ones(d))
+        self.gate_up = nn.Linear(d, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, d, bias=False)
+
+    def inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """x = fc([embedding of the token; feature of the position before])."""
+        return self.fc(torch.cat([embeddings, features], dim=-1))
+
+    def attention_inputs(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """x [N, d] -> rotated q [N, H, D], rotated k and v [N, KV, D]."""
+        s = self.shape
+        qkv = self.qkv(rms_norm(x, self.input_norm, s["rms_norm_eps"]))
+        q_size, kv_size = s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
+        q = rotate(qkv[:, :q_size].unflatten(1, (-1, s["head_dim"])), rope)
+        k = rotate(qkv[:, q_size : q_size + kv_size].unflatten(1, (-1, s["head_dim"])), rope)
+        v = qkv[:, q_size + kv_size :].unflatten(1, (-1, s["head_dim"]))
+        return q, k, v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The layer's rest: output projection and residual, then the SwiGLU MLP."""
+        x = x + self.o(attended.flatten(-2))
+        normed = rms_norm(x, self.post_attention_norm, self.shape["rms_norm_eps"])
+        gate, up = self.gate_up(normed).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+@dataclass
+class _FeatureLog:
+    """A sequence's target features the drafter has not consumed for good yet, and its newest
+    guess (the output of the last entry it computed)."""
+
+    start: int  # position of features[0]
+    features: torch.Tensor  # [m, d] final-normed target features
+    guess: torch.Tensor | None = None
+    guess_position: int = -1
+
+    def before(self, first: int, count: int, width: int) -> torch.Tensor:
+        """[count, d] the features entries first .. first + count - 1 read: position p - 1's
+        target feature where known, else the guess made there, else zeros."""
+        out = torch.zeros(count, width, dtype=self.features.dtype)
+        lo, hi = first - 1, first - 1 + count  # feature positions wanted: [lo, hi)
+        if self.guess is not None and lo <= self.guess_position < hi:
+            out[self.guess_position - lo] = self.guess
+        a, b = max(lo, self.start), min(hi, self.start + len(self.features))
+        if a < b:
+            out[a - lo : b - lo] = self.features[a - self.start : b - self.start]
+        return out
+
+
+class EagleDrafter(ModelDrafter):
+    """Chains from the EAGLE layer, through ``ModelDrafter``'s drafting loop (sampling, q,
+    windows); this class supplies the forward pass and the feature bookkeeping."""
+
+    def __init__(self, network: EagleNetwork, draft_vocab: torch.Tensor, target: TargetContext,
+                 window):  # fmt: skip
+        super().__init__(None, target.eos_token_ids, window, shares_target_cache=False)
+        self.model = target.model
+        self.device = torch.device(target.device)
+        arch = self.model.arch
+        shape = network.shape
+        if (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]) != (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim
+        ):  # fmt: skip
+            raise ValueError(f"eagle drafter's attention {shape} does not match the target's")
+        dtype = self.model.dtype
+
+        def projection(linear: nn.Linear) -> nn.Module:
+            weight = linear.weight.detach().to(device=self.device, dtype=dtype)
+            bias = None if linear.bias is None else linear.bias.detach().to(self.device, dtype)
+            return Linear(weight, bias, pack=True)
+
+        def norm(weight: torch.Tensor) -> torch.Tensor:
+            return weight.detach().to(device=self.device, dtype=dtype)
+
+        self.fc = projection(network.fc)
+        self.layer = DecoderLayer(
+            arch,
+            norm(network.input_norm),
+            projection(network.qkv),
+            projection(network.o),
+            norm(network.post_attention_norm),
+            projection(network.gate_up),
+            projection(network.down),
+        )
+        self.draft_vocab = draft_vocab.to(self.device)
+        self.readout = build_readout(self.model, draft_vocab)
+        cache = target.kv_cache
+        self.kv_cache = KVCache(
+            1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim, dtype,
+            self.device,
+        )  # fmt: skip
+        self._logs: weakref.WeakKeyDictionary[Sequence, _FeatureLog] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def has_features(self, seq: Sequence) -> bool:
+        return seq in self._logs
+
+    def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        arch = self.model.arch
+        normed = rms_norm(features, self.model.final_norm, arch.rms_norm_eps).detach()
+        log = self._logs.get(seq)
+        if log is None or first_position != log.start + len(log.features):
+            # New, or recomputed after preemption: start over from these positions.
+            self._logs[seq] = _FeatureLog(first_position, normed.clone())
+            return
+        state = self._states.get(seq)
+        # Entries from num_cached on will be (re)computed and read features from one before.
+        keep_from = log.start if state is None else max(log.start, state.num_cached - 1)
+        kept = torch.cat([log.features[keep_from - log.start :], normed])
+        log.start, log.features = keep_from, kept
+
+    def _state(self, seq: Sequence):
+        state = super()._state(seq)
+        log = self._logs.get(seq)
+        # Below the first position with a feature, trust the entries already there (a
+        # prefix-cache hit: computed by the request that filled those blocks).
+        if log is not None and state.num_cached < log.start:
+            state.num_cached = log.start
+        return state
+
+    @torch.inference_mode()
+    def forward(self, seqs, chains, num_logits) -> torch.Tensor:
+        """The drafter over each sequence's entries from its first uncached one; returns
+        logits over the whole vocabulary (-inf outside the draft vocabulary) for the last
+        ``num_logits[seq]`` entries of each, sequence after sequence."""
+        width = self.model.arch.hidden_size
+        ids, positions, features, slices, rows = [], [], [], [], []
+        row = 0
+        for s in seqs:
+            state, log = self._states[s], self._logs[s]
+            tokens = (s.token_ids + chains[s])[state.num_cached :]
+            n = len(tokens)
+            ids += tokens
+            positions += range(state.num_cached, state.num_cached + n)
+            features.append(log.before(state.num_cached, n, width))
+            slices.append(SequenceSlice(state.num_cached, n, s.cache_state().block_table))
+            rows += range(row + n - num_logits[s], row + n)
+            row += n
+        arch = self.model.arch
+        attn = build_attention_metadata(
+            slices, self.kv_cache.block_size, arch.head_dim, self.device, arch.sliding_window
+        )
+        positions_t = torch.tensor(positions, device=self.device)
+        embeddings = self.model.embed(torch.tensor(ids, device=self.device))
+        x = self.fc(torch.cat([embeddings, torch.cat(features).to(self.device)], dim=-1))
+        hidden = self.layer(x, self.model.rope.lookup(positions_t), self.kv_cache.layers[0], attn)
+        row = 0
+        for s, piece in zip(seqs, slices, strict=True):
+            state, log = self._states[s], self._logs[s]
+            state.num_cached += piece.num_new
+            log.guess = hidden[row + piece.num_new - 1].clone()
+            log.guess_position = state.num_cached - 1
+            row += piece.num_new
+        scores = self.readout(hidden[torch.tensor(rows, device=self.device)]).float()
+        logits = torch.full(
+            (len(rows), arch.vocab_size), float("-inf"), dtype=torch.float32, device=self.device
+        )
+        logits[:, self.draft_vocab] = scores
+        return logits
+
+    def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
+        """Only the decode token's entry read the target's own feature; the accepted drafts'
+        entries read guesses, and are recomputed once their features are in."""
+        self.window.on_verified(proposal, num_accepted)
+        state = self._states.get(seq)
+        if state is not None:
+            state.num_cached = min(state.num_cached, state.start + 1)
+
+
+class EagleDecoder(ModelDraftDecoder):
+    reads_target_hidden = True
+
+    def __init__(self, drafter: EagleDrafter):
+        super().__init__("eagle", drafter)
+
+    def plan(self, seqs, max_drafts) -> dict:
+        return {s: k for s, k in max_drafts.items() if k > 0 and self.drafter.has_features(s)}
+
+    def observe_target_features(self, seq, first_position: int, features) -> None:
+        self.drafter.observe(seq, first_position, features)
+
+
+def build_eagle_decoder(config: DecoderConfig, target: TargetContext) -> EagleDecoder:
+    drafter = load_drafter(config.eagle.drafter, "eagle", EagleNetwork, target.model)
+    window = build_window(config.window)
+    return EagleDecoder(EagleDrafter(drafter.network, drafter.draft_vocab, target, window))

@@ -1,0 +1,290 @@
+"""``specserve train eagle``: EAGLE's one-layer feature-level drafter, by self-distillation.
+
+1. Data: our own prompts answered by the target (``engine.training.self_distillation``, shared
+   with the heads' training through ``answers.pt``), and one teacher-forced pass over every
+   prompt + answer for the target's final-normed features at every position (cached in
+   ``features.pt``, so ``--resume`` skips both).
+2. Draft vocabulary: the answer tokens the target writes most.
+3. Training, EAGLE-3's training-time test: depth 1 reads the target's features (with a little
+   noise, EAGLE's augmentation); depth s reads the depth s - 1 outputs one position earlier, and
+   attends to the target-feature entries up to where drafting started plus its own chain of
+   guesses, exactly what the drafter sees at inference when drafting s tokens ahead. At each
+   depth the output is pulled towards the target's feature (smooth L1, EAGLE's regression) and
+   its readout towards the target's distribution over the draft vocabulary (distillation);
+   deeper depths weigh less (0.8 per depth). Adam with a checkpoint after every epoch.
+4. Held-out: per depth, the top-i accuracy of the readout against the target's own next token
+   (teacher-forced tokens: at depth s, how often draft s is right when drafts 1..s-1 were).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from engine.decoders.drafter_files import TrainedDrafter, target_signature
+from engine.decoders.eagle import EagleNetwork
+from engine.training.prompts import train_and_held_out
+from engine.training.self_distillation import cached_answers, progress_bar, sequence_features
+from engine.training.train_heads import draft_vocabulary
+
+CHECKPOINT_FILE, FEATURES_FILE = "checkpoint.pt", "features.pt"
+# EAGLE's weights: regression 1, classification 0.1; deeper depths count less (EAGLE-3).
+CLASSIFICATION_WEIGHT, DEPTH_DECAY = 0.1, 0.8
+
+
+@dataclass
+class EagleTrainOptions:
+    output: Path
+    num_prompts: int = 480
+    num_held_out: int = 48
+    max_tokens: int = 192
+    temperature: float = 0.0
+    depth: int = 3  # training-time-test depths (the chain length it is trained to draft)
+    draft_vocab_size: int = 4096
+    top_k: int = 4
+    epochs: int = 3
+    batch_size: int = 8  # sequences per step
+    learning_rate: float = 1e-3
+    feature_noise: float = 0.05  # std of the Gaussian added to input features, per their std
+    generation_batch: int = 32
+    seed: int = 0
+    resume: bool = False
+    prompts: tuple[list, list] | None = None
+
+
+@dataclass
+class _Split:
+    """Sequences with their target features, and where each answer starts."""
+
+    sequences: list[list[int]]
+    starts: list[int]
+    features: list[torch.Tensor]  # per sequence [len, d], float16
+
+
+def _splits(llm, options: EagleTrainOptions) -> dict[str, _Split]:
+    prompts = options.prompts or train_and_held_out(
+        options.num_prompts, options.num_held_out, options.seed
+    )
+    answers = cached_answers(llm, options, prompts)
+    path = options.output / FEATURES_FILE
+    if path.is_file():
+        cached = torch.load(path, weights_only=False)
+        if all(cached[k].sequences == answers[k].sequences for k in answers):
+            print(f"features: cached in {path}")
+            return cached
+    splits = {}
+    for split, a in answers.items():
+        with progress_bar(len(a.sequences), f"{split}: features") as bar:
+            features = sequence_features(llm.engine.model, a.sequences, progress=bar.update)
+        splits[split] = _Split(a.sequences, a.answer_starts, [f.half() for f in features])
+    torch.save(splits, path)
+    return splits
+
+
+def _batch(split: _Split, index: list[int], embed):
+    """Padded tensors of sequences ``index``: tokens' embeddings [B, T, d], target features
+    [B, T, d], the next token at each position [B, T] (-1 past the end), and the answer mask
+    [B, T] (positions whose next token is an answer token)."""
+    lengths = [len(split.sequences[i]) for i in index]
+    width = max(lengths)
+    d = split.features[index[0]].shape[1]
+    tokens = torch.zeros(len(index), width, dtype=torch.long)
+    features = torch.zeros(len(index), width, d)
+    following = torch.full((len(index), width), -1, dtype=torch.long)
+    answer = torch.zeros(len(index), width, dtype=torch.bool)
+    for b, i in enumerate(index):
+        seq, n = split.sequences[i], lengths[b]
+        tokens[b, :n] = torch.tensor(seq)
+        features[b, :n] = split.features[i].float()
+        following[b, : n - 1] = tokens[b, 1:n]
+        answer[b, split.starts[i] - 1 : n - 1] = True
+    embeddings = embed(tokens.flatten()).float().reshape(len(index), width, -1)
+    return embeddings, features, following, answer
+
+
+def _shift(x: torch.Tensor, by: int = 1) -> torch.Tensor:
+    """x [B, T, ...] moved ``by`` positions later along T, zeros in front."""
+    return F.pad(x, (0, 0) * (x.dim() - 2) + (by, 0))[:, : x.shape[1]]
+
+
+def unrolled_outputs(network: EagleNetwork, rope, embeddings, features, depth: int, noise=0.0):
+    """The drafter's outputs at each depth 1..``depth``, [depth][B, T, d]: depth s at position
+    p reads token p and the depth s - 1 output at p - 1 (the target's feature at depth 1), and
+    attends to the depth-1 entries up to p - s + 1 plus the entry of each depth t at
+    p - s + t (its own chain of guesses)."""
+    batch, width, d = embeddings.shape
+    s_ = network.shape
+    heads, groups = s_["num_heads"], s_["num_heads"] // s_["num_kv_heads"]
+    scale = s_["head_dim"] ** -0.5
+    previous = _shift(features)
+    if noise:
+        previous = previous + torch.randn_like(previous) * noise * features.std()
+    keys, values, outputs = [], [], []
+    for s in range(1, depth + 1):
+        x = network.inputs(embeddings, previous).reshape(batch * width, d)
+        q, k, v = network.attention_inputs(x, rope)
+        q = q.reshape(batch, width, heads, -1)
+        k = k.repeat_interleave(groups, dim=1).reshape(batch, width, heads, -1)
+        v = v.repeat_interleave(groups, dim=1).reshape(batch, width, heads, -1)
+        keys.append(k)
+        values.append(v)
+        # Depth-1 entries at j <= p - s + 1 ...
+        scores = torch.einsum("bphd,bjhd->bhpj", q, keys[0]) * scale
+        seen = torch.ones(width, width, dtype=torch.bool).tril(-(s - 1))
+        scores = scores.masked_fill(~seen, float("-inf"))
+        # ... and depth t's entry at p - s + t, for t = 2 .. s (the last is the query's own).
+        chain = [
+            (q * _shift(keys[t - 1], s - t)).sum(-1).transpose(1, 2) * scale
+            for t in range(2, s + 1)
+        ]  # each [B, H, T]
+        if chain:
+            scores = torch.cat([scores, torch.stack(chain, dim=-1)], dim=-1)
+        weights = torch.softmax(scores, dim=-1)
+        attended = torch.einsum("bhpj,bjhd->bphd", weights[..., :width], values[0])
+        for i, t in enumerate(range(2, s + 1)):
+            w = weights[..., width + i].transpose(1, 2)[..., None]  # [B, T, H, 1]
+            attended = attended + w * _shift(values[t - 1], s - t)
+        out = network.finish(x, attended.reshape(batch * width, heads, -1))
+        out = out.reshape(batch, width, d)
+        outputs.append(out)
+        previous = _shift(out)
+    return outputs
+
+
+def _losses(outputs, features, readout, answer) -> list[torch.Tensor]:
+    """Per depth, its weighted loss over the answer positions it can reach (depth s needs
+    s - 1 earlier positions)."""
+    teacher = torch.softmax(features @ readout.T, dim=-1)
+    results = []
+    for s, out in enumerate(outputs, start=1):
+        mask = answer.clone()
+        mask[:, : s - 1] = False
+        regression = F.smooth_l1_loss(out[mask], features[mask])
+        log_q = torch.log_softmax(out[mask] @ readout.T, dim=-1)
+        distillation = -(teacher[mask] * log_q).sum(-1).mean()
+        loss = regression + CLASSIFICATION_WEIGHT * distillation
+        results.append(loss * DEPTH_DECAY ** (s - 1))
+    return results
+
+
+@torch.no_grad()
+def held_out_accuracies(network, rope_of, split: _Split, embed, readout, vocab, vocab_size,
+                        depth, top_k, batch=8) -> list[list[float]]:  # fmt: skip
+    """[depth][i]: how often the i-th candidate at each depth is the target's next token."""
+    hits = torch.zeros(depth, top_k)
+    seen = torch.zeros(depth)
+    # Readout row of each token; a token outside the draft vocabulary is a miss (row -2, never
+    # a candidate), a position past the end is no label (-1, left out by the mask anyway).
+    to_row = torch.full((vocab_size,), -2, dtype=torch.long)
+    to_row[vocab] = torch.arange(len(vocab))
+    for first in range(0, len(split.sequences), batch):
+        index = list(range(first, min(first + batch, len(split.sequences))))
+        embeddings, features, following, answer = _batch(split, index, embed)
+        rope = rope_of(features.shape[:2])
+        outputs = unrolled_outputs(network, rope, embeddings, features, depth)
+        wanted = to_row[following.clamp_min(0)]
+        for s, out in enumerate(outputs, start=1):
+            mask = answer.clone()
+            mask[:, : s - 1] = False
+            top = (out[mask] @ readout.T).topk(top_k, dim=-1).indices
+            hits[s - 1] += (top == wanted[mask][:, None]).sum(0).float()
+            seen[s - 1] += mask.sum()
+    return (hits / seen.clamp_min(1)[:, None]).tolist()
+
+
+def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
+    from engine.models.draft_copies import dense_weight
+
+    started = time.monotonic()
+    torch.manual_seed(options.seed)
+    model = llm.engine.model
+    arch = model.arch
+    splits = _splits(llm, options)
+    train = splits["train"]
+    labels = torch.cat([torch.tensor(seq[start:]) for seq, start in
+                        zip(train.sequences, train.starts, strict=True)])  # fmt: skip
+    vocab = draft_vocabulary(labels, options.draft_vocab_size)
+    covered = torch.isin(labels, vocab).float().mean().item()
+    print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
+    readout = dense_weight(model.lm_head)[vocab].float()
+
+    def rope_of(shape) -> torch.Tensor:
+        batch, width = shape
+        return model.rope.lookup(torch.arange(width).repeat(batch))
+
+    network = EagleNetwork(
+        arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+        arch.intermediate_size, arch.rms_norm_eps,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(network.parameters(), lr=options.learning_rate)
+    first_epoch = 0
+    checkpoint = options.output / CHECKPOINT_FILE
+    if options.resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        network.load_state_dict(state["network"])
+        optimizer.load_state_dict(state["optimizer"])
+        first_epoch = state["epoch"]
+        print(f"resumed after epoch {first_epoch}")
+    steps = (len(train.sequences) + options.batch_size - 1) // options.batch_size
+    epoch_losses = []
+    for epoch in range(first_epoch, options.epochs):
+        order = torch.randperm(
+            len(train.sequences), generator=torch.Generator().manual_seed(epoch)
+        ).tolist()
+        total = 0.0
+        with progress_bar(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
+            for step in range(steps):
+                index = order[step * options.batch_size : (step + 1) * options.batch_size]
+                embeddings, features, _, answer = _batch(train, index, model.embed)
+                outputs = unrolled_outputs(
+                    network, rope_of(features.shape[:2]), embeddings, features,
+                    options.depth, options.feature_noise,
+                )  # fmt: skip
+                loss = sum(_losses(outputs, features, readout, answer))
+                optimizer.zero_grad()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
+                optimizer.step()
+                total += loss.item()
+                bar.update()
+                bar.set_postfix(loss=f"{total / (step + 1):.3f}")
+        epoch_losses.append(round(total / steps, 4))
+        torch.save(
+            {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
+             "epoch": epoch + 1},
+            checkpoint,
+        )  # fmt: skip
+    accuracies = held_out_accuracies(
+        network, rope_of, splits["held_out"], model.embed, readout, vocab, arch.vocab_size,
+        options.depth, options.top_k,
+    )  # fmt: skip
+    chain, expected = 1.0, 0.0
+    for s, row in enumerate(accuracies, start=1):
+        chain *= row[0]
+        expected += chain
+        print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
+              + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
+    drafter = TrainedDrafter(
+        "eagle",
+        network,
+        vocab,
+        accuracies,
+        target_signature(model),
+        {
+            "command": "specserve train eagle",
+            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
+            "data": "answers of the target itself to specserve's own prompts "
+            "(engine/training/prompts.py)",
+            "training_answer_tokens": int(len(labels)),
+            "resumed_after_epoch": first_epoch,
+            "epoch_losses": epoch_losses,
+            "minutes": round((time.monotonic() - started) / 60, 1),
+        },
+    )
+    drafter.save(options.output)
+    print(f"drafter written to {options.output} ({(time.monotonic() - started) / 60:.1f} min)")
+    return drafter

@@ -1,0 +1,140 @@
+"""EAGLE: the drafter's paged forward equals its training form at every depth it is trained
+on (so training-time test trains what runs), greedy identity through the engine (batched,
+preempted, aborted), the features each sequence's entries read, and `specserve train eagle` on
+a tiny model (loss falls, a checkpoint resumes, the drafter loads). Sampled exactness is in
+tests/test_decoders_sampling.py with the other decoders."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
+from tests.tiny_models import save_eagle_drafter
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [3] * 12, [40 + i % 9 for i in range(30)]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir, tmp_path_factory):
+    return save_eagle_drafter(tiny_model_dir, tmp_path_factory.mktemp("eagle") / "drafter")
+
+
+def eagle_llm(model_dir, drafter, **overrides) -> LLM:
+    decoder = {"method": "eagle", "eagle": {"drafter": str(drafter)}, "num_speculative_tokens": 4}
+    return LLM(model=str(model_dir), decoder=decoder, **overrides)
+
+
+def test_paged_drafting_equals_the_unrolled_training_form(tiny_model_dir, drafter_dir):
+    llm = eagle_llm(tiny_model_dir, drafter_dir)
+    engine = llm.engine
+    drafter = engine.speculator.decoders["eagle"].drafter
+    # 20 tokens: the drafts after the decode token still fit its second block.
+    engine.add_request("r", PROMPTS[3][:20], SamplingParams(temperature=0, max_tokens=8))
+    engine.step()  # the prefill: the target's features of every prompt position are in
+    (seq,) = engine.scheduler.running
+    log = drafter._logs[seq]
+    n = seq.num_tokens - 1  # the decode token's position
+    assert (log.start, len(log.features)) == (0, n)
+    features = log.features.clone()
+    drafter.begin_round(seq)
+    outputs = []
+    for chain in ([], [17], [17, 23]):
+        drafter.forward([seq], {seq: chain}, {seq: 1})
+        outputs.append(drafter._logs[seq].guess.clone())
+    tokens = seq.token_ids + [17, 23]
+    model = engine.model
+    embeddings = model.embed(torch.tensor(tokens))[None]
+    padded = torch.cat([features, torch.zeros(3, features.shape[1])])[None]
+    rope = model.rope.lookup(torch.arange(len(tokens)))
+    network = drafter_network(drafter_dir)
+    reference = unrolled_outputs(network, rope, embeddings, padded, depth=3)
+    for depth, got in enumerate(outputs, start=1):
+        # Depth s's first draft entry sits at n + s - 1.
+        expected = reference[depth - 1][0, n + depth - 1]
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+
+
+def drafter_network(drafter_dir):
+    from engine.decoders.drafter_files import TrainedDrafter
+    from engine.decoders.eagle import EagleNetwork
+
+    return TrainedDrafter.load(drafter_dir, "eagle", EagleNetwork).network
+
+
+def test_entries_read_the_target_features_once_verified(tiny_model_dir, drafter_dir):
+    llm = eagle_llm(tiny_model_dir, drafter_dir)
+    engine = llm.engine
+    drafter = engine.speculator.decoders["eagle"].drafter
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))
+    for _ in range(4):
+        engine.step()
+    (seq,) = engine.scheduler.running
+    state, log = drafter._states[seq], drafter._logs[seq]
+    # Entries stand up to the decode token of the last round; the features from one before
+    # the first entry to recompute on are kept, up to the newest token's predecessor.
+    assert log.start == state.num_cached - 1
+    assert log.start + len(log.features) == seq.num_tokens - 1
+    from engine.training.self_distillation import sequence_features
+
+    (reference,) = sequence_features(engine.model, [seq.token_ids[:-1]])
+    torch.testing.assert_close(log.features, reference[log.start :], atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_equals_autoregressive_batched_preempted_and_aborted(tiny_model_dir, drafter_dir):
+    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(PROMPTS, GREEDY)]
+    roomy = eagle_llm(tiny_model_dir, drafter_dir)
+    assert [roomy.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
+    assert [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)] == expected
+    assert roomy.engine.speculator.stats.num_drafts > 0
+    small = eagle_llm(
+        tiny_model_dir,
+        drafter_dir,
+        kv_cache={"num_blocks": 10},
+        scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
+    )
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    engine = small.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True, n=2))
+    for _ in range(5):
+        engine.step()
+    engine.abort("a1")
+    engine.abort("a2")
+    while engine.has_unfinished_requests():
+        engine.step()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(tiny_model_dir, tmp_path):
+    llm = LLM(model=str(tiny_model_dir), kv_cache={"num_blocks": 256})
+    train = [[(7 * i + j) % 300 + 10 for j in range(12)] for i in range(24)]
+    held = [[(11 * i + 5 * j) % 300 + 10 for j in range(12)] for i in range(4)]
+    options = EagleTrainOptions(
+        output=tmp_path / "drafter",
+        max_tokens=24,
+        depth=2,
+        draft_vocab_size=64,
+        top_k=2,
+        epochs=1,
+        batch_size=8,
+        learning_rate=3e-3,
+        prompts=(train, held),
+    )
+    first = run_train_eagle(llm, options)
+    options.epochs, options.resume = 4, True
+    drafter = run_train_eagle(llm, options)
+    assert first.info["resumed_after_epoch"] == 0
+    assert drafter.info["resumed_after_epoch"] == 1
+    losses = first.info["epoch_losses"] + drafter.info["epoch_losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert len(drafter.accuracies) == 2 and len(drafter.accuracies[0]) == 2
+    expected = llm.generate(PROMPTS[:2], GREEDY)
+    got = eagle_llm(tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
