@@ -33,7 +33,15 @@ class SchedulerConfig(_Strict):
 
 
 DecoderName = Literal[
-    "autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle"
+    "autoregressive",
+    "ngram",
+    "draft",
+    "layerskip",
+    "hierarchical",
+    "medusa",
+    "hydra",
+    "eagle",
+    "kangaroo",
 ]
 
 
@@ -54,6 +62,21 @@ class TrainedDrafterConfig(_Strict):
     ``specserve train KIND`` writes; None takes the drafter shipped for the model, if one is."""
 
     drafter: str | None = None
+
+
+class EagleConfig(TrainedDrafterConfig):
+    """The ``eagle`` decoder's drafter, and the precision its own projections run at: int8
+    weights (per channel; a quarter of float32's bytes per draft) or as trained (none)."""
+
+    quantization: Literal["none", "int8"] = "int8"
+
+
+class KangarooConfig(EagleConfig):
+    """The ``kangaroo`` decoder's adapter (its exit layer is part of the trained drafter), the
+    precision of the adapter's projections, and the second early exit: drafting stops once
+    the drafter's top-1 probability falls below ``exit_threshold`` (Kangaroo's eta)."""
+
+    exit_threshold: float = Field(0.6, ge=0, le=1)
 
 
 class LayerSkipConfig(_Strict):
@@ -113,7 +136,8 @@ class DecoderConfig(_Strict):
     hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
     medusa: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
     hydra: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
-    eagle: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
+    eagle: EagleConfig = Field(default_factory=EagleConfig)
+    kangaroo: KangarooConfig = Field(default_factory=KangarooConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 

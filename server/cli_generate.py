@@ -24,7 +24,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decoder",
         help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
-        "layerskip, hierarchical, medusa, hydra or eagle",
+        "layerskip, hierarchical, medusa, hydra, eagle or kangaroo",
     )
     p.add_argument(
         "--extra-decoders",
@@ -45,8 +45,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--drafter",
-        help="trained drafter directory of the --decoder (medusa, hydra or eagle; default: the "
-        "one shipped for the model; `specserve train medusa|hydra|eagle` writes one)",
+        help="trained drafter directory of the --decoder (medusa, hydra, eagle or kangaroo; "
+        "default: the one shipped for the model; `specserve train KIND` writes one)",
     )
 
 
@@ -65,8 +65,8 @@ def engine_config_from_args(args: argparse.Namespace):
         decoder["draft"] = {**config.decoder.draft.model_dump(), "model": args.draft_model}
     if getattr(args, "drafter", None):
         trained = args.decoder or config.decoder.method
-        if trained not in ("medusa", "hydra", "eagle"):
-            raise ValueError("--drafter needs --decoder medusa, hydra or eagle")
+        if trained not in ("medusa", "hydra", "eagle", "kangaroo"):
+            raise ValueError("--drafter needs --decoder medusa, hydra, eagle or kangaroo")
         decoder[trained] = {"drafter": args.drafter}
     decoder = {k: v for k, v in decoder.items() if v is not None}
     if decoder:

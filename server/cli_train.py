@@ -56,6 +56,28 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_kangaroo(args: argparse.Namespace) -> int:
+    from engine.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
+
+    prompts = _prompts(args)
+    options = KangarooTrainOptions(
+        output=Path(args.output),
+        num_prompts=args.num_prompts,
+        num_held_out=args.held_out,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        exit_layer=args.exit_layer,
+        draft_vocab_size=args.draft_vocab,
+        epochs=args.epochs,
+        learning_rate=args.learning_rate,
+        seed=args.seed,
+        resume=args.resume,
+        prompts=prompts,
+    )
+    run_train_kangaroo(_training_llm(args), options)
+    return 0
+
+
 def _cmd_train_heads(args: argparse.Namespace) -> int:
     from engine.training.train_heads import HeadsTrainOptions, run_train_heads
 
@@ -92,6 +114,27 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     for kind, what in descriptions.items():
         _add_heads_parser(which, kind, what)
     _add_eagle_parser(which)
+    _add_kangaroo_parser(which)
+
+
+def _add_kangaroo_parser(which) -> None:
+    p = which.add_parser(
+        "kangaroo",
+        help="train Kangaroo's adapter on the model's first layers and write a drafter directory",
+        description=(
+            "Self-distillation: the model answers specserve's own training prompts (cached in "
+            "--output and shared with the other drafters' training), one teacher-forced pass "
+            "takes its final features (the teacher) and one through its first --exit-layer "
+            "layers the adapter's inputs; the adapter (one attention sublayer and a norm) "
+            "learns the model's next-token distribution from them. Checkpoints every epoch "
+            "(--resume), held-out accuracy at the end, and a directory that `--decoder "
+            "kangaroo --drafter DIR` loads."
+        ),
+    )
+    _add_common_arguments(p)
+    p.add_argument("--exit-layer", type=int, default=2, help="layers of the shallow sub-network")
+    p.add_argument("--epochs", type=int, default=3)
+    p.set_defaults(func=_cmd_train_kangaroo)
 
 
 def _add_eagle_parser(which) -> None:

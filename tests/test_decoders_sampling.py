@@ -25,6 +25,7 @@ from tests.stats import chi_square_p_value
 from tests.tiny_models import (
     save_eagle_drafter,
     save_heads_drafter,
+    save_kangaroo_drafter,
     save_perturbed_copy,
     save_tiny_model,
 )
@@ -56,11 +57,14 @@ PARAMS = {
 # hierarchy's level 1 being its first layer, and an entropy window (tau inside the model's
 # range of entropies) that may stop a chain at one draft. tau2 above every entropy keeps
 # level 2 drafting to k. "medusa", "hydra": random heads whose two drafts are siblings (a tree).
-# "eagle": a random EAGLE layer, whose drafts are drawn from its q.
+# "eagle": a random EAGLE layer, "kangaroo": a random adapter after the first layer, whose
+# drafts are drawn from their q.
 DECODERS = {
     "self": {
         "method": "ngram",
-        "extra_methods": ["draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle"],
+        "extra_methods": [
+            "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle", "kangaroo",
+        ],  # fmt: skip
         "draft": {"model": "self", "quantization": "int8"},
         "layerskip": {"skip_attention": [1], "skip_mlp": [2]},
         "hierarchical": {"level1": "ngram", "tau2": 10.0},
@@ -81,6 +85,7 @@ CASES = {
     "medusa-tree": ("self", "medusa"),
     "hydra-tree": ("self", "hydra"),
     "eagle": ("self", "eagle"),
+    "kangaroo": ("self", "kangaroo"),
     "draft-separate": ("separate", "draft"),
     "hierarchical-draft_truncated": ("separate", "hierarchical"),
 }
@@ -104,6 +109,7 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
         for kind in ("medusa", "hydra")
     }
     trained["eagle"] = save_eagle_drafter(target_dir, tmp_path_factory.mktemp("eagle") / "d")
+    trained["kangaroo"] = save_kangaroo_drafter(target_dir, tmp_path_factory.mktemp("kg") / "d")
     built = {}
     for name, spec in DECODERS.items():
         for kind, drafter in trained.items():

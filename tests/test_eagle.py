@@ -24,13 +24,14 @@ def drafter_dir(tiny_model_dir, tmp_path_factory):
     return save_eagle_drafter(tiny_model_dir, tmp_path_factory.mktemp("eagle") / "drafter")
 
 
-def eagle_llm(model_dir, drafter, **overrides) -> LLM:
-    decoder = {"method": "eagle", "eagle": {"drafter": str(drafter)}, "num_speculative_tokens": 4}
+def eagle_llm(model_dir, drafter, quantization="int8", **overrides) -> LLM:
+    eagle = {"drafter": str(drafter), "quantization": quantization}
+    decoder = {"method": "eagle", "eagle": eagle, "num_speculative_tokens": 4}
     return LLM(model=str(model_dir), decoder=decoder, **overrides)
 
 
 def test_paged_drafting_equals_the_unrolled_training_form(tiny_model_dir, drafter_dir):
-    llm = eagle_llm(tiny_model_dir, drafter_dir)
+    llm = eagle_llm(tiny_model_dir, drafter_dir, quantization="none")  # as trained
     engine = llm.engine
     drafter = engine.speculator.decoders["eagle"].drafter
     # 20 tokens: the drafts after the decode token still fit its second block.

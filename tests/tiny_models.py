@@ -113,3 +113,27 @@ def save_eagle_drafter(model_dir: Path, path: Path, seed: int = 0, scale: float 
         path
     )
     return path
+
+
+def save_kangaroo_drafter(model_dir: Path, path: Path, exit_layer: int = 1, seed: int = 0) -> Path:
+    """A Kangaroo adapter for the tiny model after its first ``exit_layer`` layers: random
+    weights (its output projection too, so the attention matters), the whole vocabulary."""
+    import json
+
+    from engine.decoders.drafter_files import TrainedDrafter
+    from engine.decoders.kangaroo import KangarooAdapter
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    torch.manual_seed(seed)
+    adapter = KangarooAdapter(
+        hidden, heads, kv_heads, hidden // heads, config["rms_norm_eps"], exit_layer
+    )
+    with torch.no_grad():
+        adapter.o.weight.normal_(0, 0.05)
+    target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
+    TrainedDrafter(
+        "kangaroo", adapter, torch.arange(vocab), [[0.5, 0.2]], target, {"test": True}
+    ).save(path)
+    return path

@@ -7,7 +7,15 @@ from engine.decoders.ngram import NgramDecoder
 from engine.speculative_options import SpeculativeOptions
 
 DECODERS = (
-    "autoregressive", "ngram", "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle"
+    "autoregressive",
+    "ngram",
+    "draft",
+    "layerskip",
+    "hierarchical",
+    "medusa",
+    "hydra",
+    "eagle",
+    "kangaroo",
 )
 
 
@@ -41,6 +49,10 @@ def build_decoder(name: str, config: DecoderConfig, target: TargetContext) -> De
         from engine.decoders.eagle import build_eagle_decoder
 
         return build_eagle_decoder(config, target)
+    if name == "kangaroo":
+        from engine.decoders.kangaroo import build_kangaroo_decoder
+
+        return build_kangaroo_decoder(config, target)
     if name == "autoregressive":
         return Decoder()
     raise ValueError(f"unknown decoder {name!r}; known: {', '.join(DECODERS)}")

@@ -39,6 +39,7 @@ from engine.decoders.drafting import ModelDrafter
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
+from engine.models.draft_copies import quantized_dense
 from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, rms_norm
 from engine.models.rope import rotate
@@ -130,7 +131,7 @@ class EagleDrafter(ModelDrafter):
     windows); this class supplies the forward pass and the feature bookkeeping."""
 
     def __init__(self, network: EagleNetwork, draft_vocab: torch.Tensor, target: TargetContext,
-                 window):  # fmt: skip
+                 window, quantization: str = "int8"):  # fmt: skip
         super().__init__(None, target.eos_token_ids, window, shares_target_cache=False)
         self.model = target.model
         self.device = torch.device(target.device)
@@ -145,6 +146,8 @@ class EagleDrafter(ModelDrafter):
         def projection(linear: nn.Linear) -> nn.Module:
             weight = linear.weight.detach().to(device=self.device, dtype=dtype)
             bias = None if linear.bias is None else linear.bias.detach().to(self.device, dtype)
+            if quantization == "int8":
+                return quantized_dense(weight, bias, "int8", self.model)
             return Linear(weight, bias, pack=True)
 
         def norm(weight: torch.Tensor) -> torch.Tensor:
@@ -262,4 +265,7 @@ class EagleDecoder(ModelDraftDecoder):
 def build_eagle_decoder(config: DecoderConfig, target: TargetContext) -> EagleDecoder:
     drafter = load_drafter(config.eagle.drafter, "eagle", EagleNetwork, target.model)
     window = build_window(config.window)
-    return EagleDecoder(EagleDrafter(drafter.network, drafter.draft_vocab, target, window))
+    quantization = config.eagle.quantization
+    return EagleDecoder(
+        EagleDrafter(drafter.network, drafter.draft_vocab, target, window, quantization)
+    )

@@ -92,9 +92,12 @@ def cached_answers(llm, options, prompts: tuple[list, list]) -> dict[str, Answer
 
 
 @torch.inference_mode()
-def sequence_features(model, sequences: list[list[int]], batch_tokens: int = 4096, progress=None):
+def sequence_features(
+    model, sequences: list[list[int]], batch_tokens: int = 4096, progress=None, layer=None
+):
     """Per sequence, [len, d] final-normed last-layer hidden states at every position, in
-    teacher-forced passes of up to ``batch_tokens`` tokens."""
+    teacher-forced passes of up to ``batch_tokens`` tokens; with ``layer``, the raw hidden
+    states after that layer instead (only the layers up to it run)."""
     arch = model.arch
     block = 16
     out: list[torch.Tensor] = []
@@ -120,15 +123,61 @@ def sequence_features(model, sequences: list[list[int]], batch_tokens: int = 409
             torch.tensor(positions),
             cache.layers,
             meta,
-            hidden_layer=arch.num_layers - 1,
+            layer_ids=None if layer is None else range(layer + 1),
+            hidden_layer=arch.num_layers - 1 if layer is None else layer,
             compute_logits=False,
             all_hidden=True,
         ).hidden_states.float()
-        normed = rms_norm(hidden, model.final_norm.float(), arch.rms_norm_eps)
-        out += list(normed.split([len(sequences[i]) for i in group]))
+        if layer is None:
+            hidden = rms_norm(hidden, model.final_norm.float(), arch.rms_norm_eps)
+        out += list(hidden.split([len(sequences[i]) for i in group]))
         if progress is not None:
             progress(len(group))
     return out
+
+
+FEATURES_FILE = "features.pt"
+
+
+@dataclass
+class FeatureSplit:
+    """Sequences with the target's final-normed features at every position, and where each
+    answer starts."""
+
+    sequences: list[list[int]]
+    starts: list[int]
+    features: list[torch.Tensor]  # per sequence [len, d], float16
+
+
+def cached_features(llm, options, answers: dict[str, Answers]) -> dict[str, FeatureSplit]:
+    """The features along ``answers``, from ``options.output / features.pt`` when it holds
+    those of the same sequences (a teacher-forced pass over every token takes minutes)."""
+    path = Path(options.output) / FEATURES_FILE
+    if path.is_file():
+        cached = torch.load(path, weights_only=False)
+        if all(cached[k].sequences == answers[k].sequences for k in answers):
+            print(f"features: cached in {path}")
+            return cached
+    splits = {}
+    for split, a in answers.items():
+        with progress_bar(len(a.sequences), f"{split}: features") as bar:
+            features = sequence_features(llm.engine.model, a.sequences, progress=bar.update)
+        splits[split] = FeatureSplit(a.sequences, a.answer_starts, [f.half() for f in features])
+    torch.save(splits, path)
+    return splits
+
+
+def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+    """[B, T, ...] from per-sequence [len, ...] tensors, zeros past each one's end."""
+    return torch.nn.utils.rnn.pad_sequence([r.float() for r in rows], batch_first=True)
+
+
+def answer_mask(split: FeatureSplit, index: list[int], width: int) -> torch.Tensor:
+    """[B, T] bool: the positions whose next token is an answer token."""
+    mask = torch.zeros(len(index), width, dtype=torch.bool)
+    for b, i in enumerate(index):
+        mask[b, split.starts[i] - 1 : len(split.sequences[i]) - 1] = True
+    return mask
 
 
 def answer_features(model, answers: Answers, batch_tokens: int = 4096, progress=None):

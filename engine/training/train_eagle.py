@@ -28,10 +28,17 @@ from torch.nn import functional as F
 from engine.decoders.drafter_files import TrainedDrafter, target_signature
 from engine.decoders.eagle import EagleNetwork
 from engine.training.prompts import train_and_held_out
-from engine.training.self_distillation import cached_answers, progress_bar, sequence_features
+from engine.training.self_distillation import (
+    FeatureSplit,
+    answer_mask,
+    cached_answers,
+    cached_features,
+    padded,
+    progress_bar,
+)
 from engine.training.train_heads import draft_vocabulary
 
-CHECKPOINT_FILE, FEATURES_FILE = "checkpoint.pt", "features.pt"
+CHECKPOINT_FILE = "checkpoint.pt"
 # EAGLE's weights: regression 1, classification 0.1; deeper depths count less (EAGLE-3).
 CLASSIFICATION_WEIGHT, DEPTH_DECAY = 0.1, 0.8
 
@@ -56,54 +63,23 @@ class EagleTrainOptions:
     prompts: tuple[list, list] | None = None
 
 
-@dataclass
-class _Split:
-    """Sequences with their target features, and where each answer starts."""
-
-    sequences: list[list[int]]
-    starts: list[int]
-    features: list[torch.Tensor]  # per sequence [len, d], float16
-
-
-def _splits(llm, options: EagleTrainOptions) -> dict[str, _Split]:
+def _splits(llm, options: EagleTrainOptions) -> dict[str, FeatureSplit]:
     prompts = options.prompts or train_and_held_out(
         options.num_prompts, options.num_held_out, options.seed
     )
-    answers = cached_answers(llm, options, prompts)
-    path = options.output / FEATURES_FILE
-    if path.is_file():
-        cached = torch.load(path, weights_only=False)
-        if all(cached[k].sequences == answers[k].sequences for k in answers):
-            print(f"features: cached in {path}")
-            return cached
-    splits = {}
-    for split, a in answers.items():
-        with progress_bar(len(a.sequences), f"{split}: features") as bar:
-            features = sequence_features(llm.engine.model, a.sequences, progress=bar.update)
-        splits[split] = _Split(a.sequences, a.answer_starts, [f.half() for f in features])
-    torch.save(splits, path)
-    return splits
+    return cached_features(llm, options, cached_answers(llm, options, prompts))
 
 
-def _batch(split: _Split, index: list[int], embed):
+def _batch(split: FeatureSplit, index: list[int], embed):
     """Padded tensors of sequences ``index``: tokens' embeddings [B, T, d], target features
-    [B, T, d], the next token at each position [B, T] (-1 past the end), and the answer mask
-    [B, T] (positions whose next token is an answer token)."""
-    lengths = [len(split.sequences[i]) for i in index]
-    width = max(lengths)
-    d = split.features[index[0]].shape[1]
-    tokens = torch.zeros(len(index), width, dtype=torch.long)
-    features = torch.zeros(len(index), width, d)
-    following = torch.full((len(index), width), -1, dtype=torch.long)
-    answer = torch.zeros(len(index), width, dtype=torch.bool)
-    for b, i in enumerate(index):
-        seq, n = split.sequences[i], lengths[b]
-        tokens[b, :n] = torch.tensor(seq)
-        features[b, :n] = split.features[i].float()
-        following[b, : n - 1] = tokens[b, 1:n]
-        answer[b, split.starts[i] - 1 : n - 1] = True
-    embeddings = embed(tokens.flatten()).float().reshape(len(index), width, -1)
-    return embeddings, features, following, answer
+    [B, T, d], the next token at each position [B, T] (-1 past the end), and the answer mask."""
+    tokens = [torch.tensor(split.sequences[i]) for i in index]
+    ids = torch.nn.utils.rnn.pad_sequence(tokens, batch_first=True, padding_value=-1)
+    following = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -1)], dim=1)
+    batch, width = ids.shape
+    embeddings = embed(ids.clamp_min(0).flatten()).float().reshape(batch, width, -1)
+    features = padded([split.features[i] for i in index])
+    return embeddings, features, following, answer_mask(split, index, width)
 
 
 def _shift(x: torch.Tensor, by: int = 1) -> torch.Tensor:
@@ -172,7 +148,7 @@ def _losses(outputs, features, readout, answer) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def held_out_accuracies(network, rope_of, split: _Split, embed, readout, vocab, vocab_size,
+def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, vocab, vocab_size,
                         depth, top_k, batch=8) -> list[list[float]]:  # fmt: skip
     """[depth][i]: how often the i-th candidate at each depth is the target's next token."""
     hits = torch.zeros(depth, top_k)

@@ -1,0 +1,176 @@
+"""``specserve train kangaroo``: Kangaroo's adapter on the target's first layers.
+
+1. Data: the answers and final features the other drafters use (``answers.pt``,
+   ``features.pt``), and the hidden states after the target's layer ``exit_layer - 1`` at every
+   position (the shallow sub-network is a small part of the model, so this pass is quick).
+2. Draft vocabulary: the answer tokens the target writes most.
+3. Training, Kangaroo's: the adapter reads the shallow hidden states and its readout is pulled
+   to the target's distribution over the draft vocabulary (soft cross-entropy) at every answer
+   position. The adapter drafts from real tokens at every step (the shallow layers read the
+   draft tokens themselves), so one depth is all it needs. Adam; a checkpoint every epoch.
+4. Held-out: top-i accuracy against the target's own next token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.decoders.drafter_files import TrainedDrafter, target_signature
+from engine.decoders.kangaroo import KangarooAdapter
+from engine.training.prompts import train_and_held_out
+from engine.training.self_distillation import (
+    answer_mask,
+    cached_answers,
+    cached_features,
+    padded,
+    progress_bar,
+    sequence_features,
+)
+from engine.training.train_heads import draft_vocabulary
+
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+@dataclass
+class KangarooTrainOptions:
+    output: Path
+    num_prompts: int = 480
+    num_held_out: int = 48
+    max_tokens: int = 192
+    temperature: float = 0.0
+    exit_layer: int = 2  # the shallow sub-network: the target's layers 0 .. exit_layer - 1
+    draft_vocab_size: int = 4096
+    top_k: int = 4
+    epochs: int = 3
+    batch_size: int = 8  # sequences per step
+    learning_rate: float = 1e-3
+    generation_batch: int = 32
+    seed: int = 0
+    resume: bool = False
+    prompts: tuple[list, list] | None = None
+
+
+def _logits_and_teacher(adapter, model, readout, split, shallow, index):
+    """[B, T, V'] adapter logits and the target's distributions, and the answer mask."""
+    hidden = padded([shallow[i] for i in index])
+    features = padded([split.features[i] for i in index])
+    batch, width = hidden.shape[:2]
+    rope = model.rope.lookup(torch.arange(width).repeat(batch))
+    logits = adapter.forward_train(hidden, rope) @ readout.T
+    teacher = torch.softmax(features @ readout.T, dim=-1)
+    return logits, teacher, answer_mask(split, index, width)
+
+
+@torch.no_grad()
+def _held_out_accuracy(adapter, model, readout, vocab, split, shallow, top_k) -> list[float]:
+    to_row = torch.full((model.arch.vocab_size,), -2, dtype=torch.long)
+    to_row[vocab] = torch.arange(len(vocab))
+    hits, seen = torch.zeros(top_k), 0
+    for first in range(0, len(split.sequences), 8):
+        index = list(range(first, min(first + 8, len(split.sequences))))
+        logits, _, mask = _logits_and_teacher(adapter, model, readout, split, shallow, index)
+        following = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(split.sequences[i][1:] + [0]) for i in index], batch_first=True
+        )
+        top = logits[mask].topk(top_k, dim=-1).indices
+        hits += (top == to_row[following[mask]][:, None]).sum(0).float()
+        seen += int(mask.sum())
+    return (hits / max(seen, 1)).tolist()
+
+
+def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
+    from engine.models.draft_copies import dense_weight
+
+    started = time.monotonic()
+    torch.manual_seed(options.seed)
+    model = llm.engine.model
+    arch = model.arch
+    if not 1 <= options.exit_layer < arch.num_layers:
+        raise ValueError(f"--exit-layer must be in [1, {arch.num_layers - 1}]")
+    prompts = options.prompts or train_and_held_out(
+        options.num_prompts, options.num_held_out, options.seed
+    )
+    splits = cached_features(llm, options, cached_answers(llm, options, prompts))
+    shallow = {}
+    for name, split in splits.items():
+        with progress_bar(len(split.sequences), f"{name}: layer {options.exit_layer}") as bar:
+            shallow[name] = sequence_features(
+                model, split.sequences, progress=bar.update, layer=options.exit_layer - 1
+            )
+    train = splits["train"]
+    labels = torch.cat([torch.tensor(seq[start:]) for seq, start in
+                        zip(train.sequences, train.starts, strict=True)])  # fmt: skip
+    vocab = draft_vocabulary(labels, options.draft_vocab_size)
+    print(f"draft vocabulary: {len(vocab)} tokens, {torch.isin(labels, vocab).float().mean():.1%}"
+          " of training labels")  # fmt: skip
+    readout = dense_weight(model.lm_head)[vocab].float()
+    adapter = KangarooAdapter(
+        arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps,
+        options.exit_layer,
+    )  # fmt: skip
+    with torch.no_grad():  # start as a plain early exit through the target's final norm
+        adapter.output_norm.copy_(model.final_norm.float())
+    optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.learning_rate)
+    first_epoch = 0
+    checkpoint = options.output / CHECKPOINT_FILE
+    if options.resume and checkpoint.is_file():
+        state = torch.load(checkpoint, weights_only=False)
+        adapter.load_state_dict(state["network"])
+        optimizer.load_state_dict(state["optimizer"])
+        first_epoch = state["epoch"]
+        print(f"resumed after epoch {first_epoch}")
+    steps = (len(train.sequences) + options.batch_size - 1) // options.batch_size
+    epoch_losses = []
+    for epoch in range(first_epoch, options.epochs):
+        order = torch.randperm(
+            len(train.sequences), generator=torch.Generator().manual_seed(epoch)
+        ).tolist()
+        total = 0.0
+        with progress_bar(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
+            for step in range(steps):
+                index = order[step * options.batch_size : (step + 1) * options.batch_size]
+                logits, teacher, mask = _logits_and_teacher(
+                    adapter, model, readout, train, shallow["train"], index
+                )
+                log_q = torch.log_softmax(logits[mask], dim=-1)
+                loss = -(teacher[mask] * log_q).sum(-1).mean()
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                total += loss.item()
+                bar.update()
+                bar.set_postfix(loss=f"{total / (step + 1):.3f}")
+        epoch_losses.append(round(total / steps, 4))
+        torch.save(
+            {"network": adapter.state_dict(), "optimizer": optimizer.state_dict(),
+             "epoch": epoch + 1},
+            checkpoint,
+        )  # fmt: skip
+    accuracy = _held_out_accuracy(
+        adapter, model, readout, vocab, splits["held_out"], shallow["held_out"], options.top_k
+    )
+    print("held-out: top-i accuracy " + ", ".join(f"{a:.1%}" for a in accuracy))
+    drafter = TrainedDrafter(
+        "kangaroo",
+        adapter,
+        vocab,
+        [accuracy],
+        target_signature(model),
+        {
+            "command": "specserve train kangaroo",
+            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
+            "data": "answers of the target itself to specserve's own prompts "
+            "(engine/training/prompts.py)",
+            "training_answer_tokens": int(len(labels)),
+            "resumed_after_epoch": first_epoch,
+            "epoch_losses": epoch_losses,
+            "minutes": round((time.monotonic() - started) / 60, 1),
+        },
+    )
+    drafter.save(options.output)
+    print(f"drafter written to {options.output} ({(time.monotonic() - started) / 60:.1f} min)")
+    return drafter

@@ -1,0 +1,124 @@
+"""Kangaroo: the draft model (the target's first layers and the adapter) equals the adapter's
+training form, greedy identity through the engine (batched, preempted, aborted), the second
+early exit, and `specserve train kangaroo` on a tiny model (loss falls, a checkpoint resumes,
+the drafter loads). Sampled exactness is in tests/test_decoders_sampling.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.attention import SequenceSlice, build_attention_metadata
+from engine.decoders.drafter_files import TrainedDrafter
+from engine.decoders.kangaroo import KangarooAdapter
+from engine.training.self_distillation import sequence_features
+from engine.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
+from tests.tiny_models import save_kangaroo_drafter
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [3] * 12, [40 + i % 9 for i in range(30)]]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_model_dir, tmp_path_factory):
+    return save_kangaroo_drafter(tiny_model_dir, tmp_path_factory.mktemp("kangaroo") / "d")
+
+
+def kangaroo_llm(model_dir, drafter, quantization="int8", threshold=0.0, **overrides) -> LLM:
+    spec = {"drafter": str(drafter), "quantization": quantization, "exit_threshold": threshold}
+    decoder = {"method": "kangaroo", "kangaroo": spec, "num_speculative_tokens": 4}
+    return LLM(model=str(model_dir), decoder=decoder, **overrides)
+
+
+def test_draft_model_equals_the_adapters_training_form(tiny_model_dir, drafter_dir):
+    llm = kangaroo_llm(tiny_model_dir, drafter_dir, quantization="none")
+    engine = llm.engine
+    runner = engine.speculator.decoders["kangaroo"].drafter.runner
+    tokens = PROMPTS[3]
+    arch = engine.model.arch
+    meta = build_attention_metadata(
+        [SequenceSlice(0, len(tokens), [0, 1])], 16, arch.head_dim, "cpu"
+    )
+    logits = runner.model(
+        torch.tensor(tokens), torch.arange(len(tokens)), runner.kv_cache.layers, meta,
+        skip_mlp=frozenset({1}),
+    ).logits  # fmt: skip
+    adapter = TrainedDrafter.load(drafter_dir, "kangaroo", KangarooAdapter).network
+    (shallow,) = sequence_features(engine.model, [tokens], layer=0)
+    rope = engine.model.rope.lookup(torch.arange(len(tokens)))
+    out = adapter.forward_train(shallow[None], rope)[0]
+    expected = runner.model.lm_head(out)  # the same (int8) readout of the draft vocabulary
+    torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_equals_autoregressive_batched_preempted_and_aborted(tiny_model_dir, drafter_dir):
+    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(PROMPTS, GREEDY)]
+    roomy = kangaroo_llm(tiny_model_dir, drafter_dir)
+    assert [roomy.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
+    assert [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)] == expected
+    stats = roomy.engine.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    small = kangaroo_llm(
+        tiny_model_dir,
+        drafter_dir,
+        kv_cache={"num_blocks": 10},
+        scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
+    )
+    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    engine = small.engine
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True, n=2))
+    for _ in range(5):
+        engine.step()
+    engine.abort("a1")
+    engine.abort("a2")
+    while engine.has_unfinished_requests():
+        engine.step()
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_second_early_exit_stops_doubtful_chains(tiny_model_dir, drafter_dir):
+    eager = kangaroo_llm(tiny_model_dir, drafter_dir, threshold=0.0)
+    careful = kangaroo_llm(tiny_model_dir, drafter_dir, threshold=0.9)
+    for llm in (eager, careful):
+        assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [
+            o.token_ids for o in eager.generate(PROMPTS, GREEDY)
+        ]
+    per_run = [
+        llm.engine.speculator.stats.num_draft_tokens / llm.engine.speculator.stats.num_drafts
+        for llm in (eager, careful)
+    ]
+    assert per_run[0] > 3.5 and per_run[1] < per_run[0]
+
+
+def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(tiny_model_dir, tmp_path):
+    llm = LLM(model=str(tiny_model_dir), kv_cache={"num_blocks": 256})
+    train = [[(7 * i + j) % 300 + 10 for j in range(12)] for i in range(24)]
+    held = [[(11 * i + 5 * j) % 300 + 10 for j in range(12)] for i in range(4)]
+    options = KangarooTrainOptions(
+        output=tmp_path / "drafter",
+        max_tokens=24,
+        exit_layer=1,
+        draft_vocab_size=64,
+        top_k=2,
+        epochs=1,
+        batch_size=8,
+        learning_rate=3e-3,
+        prompts=(train, held),
+    )
+    first = run_train_kangaroo(llm, options)
+    options.epochs, options.resume = 4, True
+    drafter = run_train_kangaroo(llm, options)
+    assert first.info["resumed_after_epoch"] == 0
+    assert drafter.info["resumed_after_epoch"] == 1
+    losses = first.info["epoch_losses"] + drafter.info["epoch_losses"]
+    assert len(losses) == 4 and losses[-1] < losses[0]
+    assert len(drafter.accuracies) == 1 and len(drafter.accuracies[0]) == 2
+    expected = llm.generate(PROMPTS[:2], GREEDY)
+    got = kangaroo_llm(tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
