@@ -23,6 +23,7 @@ from server.handlers import (
     prepare_completion,
     stream_chunks,
 )
+from server.limits import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerSettings, ServerState
 from server.websocket import install_websocket
@@ -42,6 +43,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.specserve = state
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_body_bytes)
 
     def authorized(authorization: str | None = Header(default=None)) -> None:
         state.check_api_key(bearer_token(authorization))

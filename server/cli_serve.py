@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from dataclasses import fields
 
 from server.cli_generate import add_model_arguments, engine_config_from_args
+from server.limits import DESCRIPTIONS, RequestLimits
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
 
@@ -25,11 +27,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from server.state import ServerSettings
 
     config = engine_config_from_args(args)
+    limits = RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)})
     settings = ServerSettings(
         config=config,
         served_model_name=args.served_model_name,
         api_keys=api_keys_from(args),
         max_queued_requests=args.max_queued_requests,
+        limits=limits,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     uvicorn.run(
@@ -38,6 +42,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         access_log=False,  # one line per request comes from specserve.requests instead
+        ws_max_size=limits.max_body_bytes,  # a WebSocket message is a request body too
     )
     return 0
 
@@ -62,4 +67,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    limits = p.add_argument_group("request limits (beyond one: a 400 naming it; body: 413)")
+    for f in fields(RequestLimits):
+        limits.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=_at_least_one,
+            default=f.default,
+            help=f"most {DESCRIPTIONS[f.name]} (default {f.default})",
+        )
     p.set_defaults(func=_cmd_serve)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from engine.speculative_options import SpeculativeOptions
 from server.errors import APIError, invalid_parameter
 from server.generation import ChoiceEvent, RequestRun
+from server.limits import check_chat_limits, check_completion_limits
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.responses import chat_logprobs, completion_logprobs, merge_logprobs
 from server.state import ServerState
@@ -48,6 +49,7 @@ class Prepared:
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     state.check_model(body.model)
+    check_chat_limits(body, state.settings.limits)
     state.check_ready()
     try:
         logprobs = body.requested_logprobs()
@@ -66,6 +68,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     state.check_model(body.model)
+    check_completion_limits(body, state.settings.limits)
     state.check_ready()
     vocab = state.client.info.vocab_size
     try:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.core_process import AsyncEngineClient
 from server.auth import key_is_valid
 from server.errors import APIError
+from server.limits import RequestLimits
 from server.metrics import ServerMetrics
 from server.spec_log import log_spec_decode
 
@@ -26,6 +27,7 @@ class ServerSettings:
     # Requests accepted beyond those the engine can run at once before answering 429.
     max_queued_requests: int = 256
     max_engine_restarts: int = 3
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def model_name(self) -> str:
