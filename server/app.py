@@ -15,7 +15,13 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.auth import bearer_token
-from server.errors import GENERATION_ERRORS, engine_error, error_body, install_error_handlers
+from server.errors import (
+    GENERATION_ERRORS,
+    INTERNAL_ERROR,
+    engine_error,
+    error_body,
+    install_error_handlers,
+)
 from server.handlers import (
     Prepared,
     full_response,
@@ -128,6 +134,12 @@ async def _sse(p: Prepared, start: float) -> AsyncIterator[dict]:
     except asyncio.CancelledError:
         status = 499  # the client went away; leaving the generator aborted the request
         raise
+    except Exception:
+        # A bug: the stream still ends as streams end (an error event, then [DONE]), and the
+        # log says 500, not the 200 its headers said.
+        status = 500
+        log.exception("%s stream failed", p.response_id)
+        yield {"data": json.dumps(error_body(500, INTERNAL_ERROR))}
     finally:
         _log(p, status, start)
     yield {"data": "[DONE]"}

@@ -105,3 +105,12 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException):
         return error_response(APIError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # A bug, not the client's input: OpenAI's shape all the same, logged as the 500 it is.
+        log.exception("%s %s status=500 unexpected error", request.method, request.url.path)
+        return error_response(APIError(500, INTERNAL_ERROR))
+
+
+INTERNAL_ERROR = "The server had an error while processing your request."

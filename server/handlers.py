@@ -90,7 +90,19 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
 
 
 def _render_chat(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
-    text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError as e:
+        # The model's template refused the conversation (its role rules, a role it does not
+        # know): the client's input, so a 400 that says what the template said.
+        raise APIError(
+            400, f"messages: the model's chat template refused them: {e}", param="messages",
+            code="invalid_value",
+        ) from None  # fmt: skip
     return tokenizer.encode(text, add_special_tokens=False)
 
 

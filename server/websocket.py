@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from server.auth import WEBSOCKET_SUBPROTOCOL, bearer_token, subprotocol_token
 from server.errors import (
     GENERATION_ERRORS,
+    INTERNAL_ERROR,
     APIError,
     engine_error,
     error_body,
@@ -72,6 +73,11 @@ class _Connection:
             log.info("ws %s status=%d %s", request_id, e.status, e.message)
             await self.error(request_id, e.status, e.message, e.param)
             return
+        except Exception:
+            # A bug on this request: it fails alone; the connection and its others go on.
+            log.exception("ws %s status=500 unexpected error", request_id)
+            await self.error(request_id, 500, INTERNAL_ERROR)
+            return
         task = asyncio.create_task(self._stream(request_id, prepared))
         self.tasks[request_id] = task
         task.add_done_callback(lambda _: self.tasks.pop(request_id, None))
@@ -105,6 +111,11 @@ class _Connection:
             err = engine_error(e)
             status = err.status
             await self.error(request_id, err.status, err.message)
+        except Exception:
+            status = 500
+            log.exception("ws %s stream failed", request_id)
+            with contextlib.suppress(Exception):
+                await self.error(request_id, 500, INTERNAL_ERROR)
         finally:
             usage = prepared.run.usage
             log.info(
