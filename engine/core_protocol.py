@@ -215,13 +215,10 @@ def _choice_delta(completion: CompletionOutput, reported: set[int]) -> ChoiceDel
         return None
     if newly_finished:
         reported.add(completion.index)
-    logprobs = completion.logprobs  # cumulative: keep the entries of the new tokens
-    if logprobs is not None:
-        logprobs = logprobs[len(logprobs) - completion.num_new_tokens :]
     return ChoiceDelta(
         index=completion.index,
         new_token_ids=completion.new_token_ids,
-        new_logprobs=logprobs,
+        new_logprobs=completion.new_logprobs,
         finish_reason=completion.finish_reason if newly_finished else None,
     )
 

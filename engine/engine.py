@@ -315,10 +315,11 @@ class Engine:
             outputs=[
                 CompletionOutput(
                     index=i,
-                    token_ids=list(seq.output_token_ids),
+                    all_token_ids=seq.output_token_ids,
+                    num_tokens=len(seq.output_token_ids),
                     num_new_tokens=new_tokens.get(seq, 0),
                     finish_reason=seq.finish_reason,
-                    logprobs=list(seq.output_logprobs)
+                    all_logprobs=seq.output_logprobs
                     if seq.sampling_params.logprobs is not None
                     else None,
                 )

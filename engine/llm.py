@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
 from engine.engine import create_engine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
@@ -100,19 +101,29 @@ class LLM:
         sampling_params: SamplingParams,
         speculative: SpeculativeOptions | None = None,
     ) -> Iterator[str]:
-        """Yield the text of one prompt's first continuation as it is generated."""
+        """Yield the text of one prompt's first continuation as it is generated (pieces
+        that concatenate to ``generate``'s text; nothing for a model without tokenizer)."""
         tokens = self._encode(prompt)
         request_id = f"offline-{next(self._ids)}"
         self.engine.add_request(request_id, tokens, sampling_params, speculative)
-        shown = ""
+        # Each step decodes only its new tokens (with a few before them for context).
+        text = None
+        if self.tokenizer is not None:
+            text = IncrementalDetokenizer(
+                self.tokenizer, tokens, stop_token_ids=sampling_params.stop_token_ids
+            )
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    text = self.visible_text(out.outputs[0])
-                    # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for more bytes.
-                    if out.finished or not text.endswith("\ufffd"):
-                        yield text[len(shown) :]
-                        shown = text
+                    completion = out.outputs[0]
+                    if text is None:
+                        continue
+                    piece = text.push(completion.new_token_ids).text
+                    if completion.finished:
+                        # A stop token or EOS ended it: its text is not shown (as generate).
+                        piece += text.finish(drop_last_token=completion.finish_reason == "stop")
+                    if piece:
+                        yield piece
         finally:
             self.engine.abort(request_id)
 

@@ -9,18 +9,39 @@ from engine.sampling import SampledToken
 
 @dataclass
 class CompletionOutput:
-    """One of a request's ``n`` continuations, cumulative up to this step."""
+    """One of a request's ``n`` continuations, cumulative up to this step.
+
+    It holds the sequence's own (append-only) token and logprob lists and how far they reached
+    at this step, not copies: building the outputs of a step costs the same at the ten-
+    thousandth token as at the first. ``new_token_ids`` reads only this step's tokens;
+    ``token_ids`` copies the continuation up to this step when asked.
+    """
 
     index: int
-    token_ids: list[int]
-    num_new_tokens: int  # how many of token_ids arrived in this step
+    all_token_ids: list[int]  # the sequence's list, which later steps extend
+    num_tokens: int  # len(all_token_ids) at this step
+    num_new_tokens: int  # how many of the first num_tokens arrived in this step
     finish_reason: str | None = None  # "stop" | "length" | "abort"
-    logprobs: list[SampledToken] | None = None
+    all_logprobs: list[SampledToken] | None = None  # as all_token_ids
     text: str = ""  # filled by callers that detokenize (LLM, server)
 
     @property
+    def token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_tokens]
+
+    @property
     def new_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.token_ids) - self.num_new_tokens :]
+        return self.all_token_ids[self.num_tokens - self.num_new_tokens : self.num_tokens]
+
+    @property
+    def logprobs(self) -> list[SampledToken] | None:
+        return None if self.all_logprobs is None else self.all_logprobs[: self.num_tokens]
+
+    @property
+    def new_logprobs(self) -> list[SampledToken] | None:
+        if self.all_logprobs is None:
+            return None
+        return self.all_logprobs[self.num_tokens - self.num_new_tokens : self.num_tokens]
 
     @property
     def finished(self) -> bool:

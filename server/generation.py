@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from engine.core_protocol import EngineDeadError
+from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import SampledToken, SamplingParams
-from server.detokenizer import IncrementalDetokenizer
 from server.metrics import ServerMetrics
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from engine.detokenizer import token_bytes, token_text
 from engine.sampling import SampledToken
-from server.detokenizer import token_bytes, token_text
 
 
 def chat_logprobs(tokenizer, tokens: list[SampledToken] | None) -> dict | None:

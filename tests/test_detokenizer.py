@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from server.detokenizer import IncrementalDetokenizer, token_bytes, token_text
+from engine.detokenizer import IncrementalDetokenizer, token_bytes, token_text
 
 TEXTS = [
     "Hello world. Bye",
