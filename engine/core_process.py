@@ -195,14 +195,23 @@ class AsyncEngineClient:
     not). ``ready`` is False while (re)starting and after giving up; ``last_error`` says why.
     ``stats`` is the current engine process's latest snapshot; ``totals`` carries its counters
     across restarts.
+
+    The watchdog: with ``stall_timeout_s``, an engine process that is alive but has reported
+    nothing for that long while requests are in flight (a hung kernel, a stopped process) is
+    killed, which fails its streams and restarts it like any other death.
     """
 
     def __init__(
-        self, config: EngineConfig, max_restarts: int = 3, restart_window_s: float = 600.0
+        self,
+        config: EngineConfig,
+        max_restarts: int = 3,
+        restart_window_s: float = 600.0,
+        stall_timeout_s: float | None = None,
     ):
         self.config = config
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
+        self.stall_timeout_s = stall_timeout_s
         self.ready = False
         self.info: EngineInfo | None = None
         self.stats = EngineStats()  # the latest snapshot from the engine
@@ -214,6 +223,10 @@ class AsyncEngineClient:
         self._restart_times: deque[float] = deque()
         self._restart_task: asyncio.Task | None = None
         self._closed = False
+        # The watchdog's clock: the engine's last report, or when work arrived at an idle one.
+        self._last_progress = time.monotonic()
+        self._watchdog: asyncio.Task | None = None
+        self._stall_reason: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -242,7 +255,10 @@ class AsyncEngineClient:
         if self._closed or self._proc is not None:
             raise RuntimeError("start() may be called once, before shutdown()")
         self._loop = asyncio.get_running_loop()
-        return await self._launch()
+        info = await self._launch()
+        if self.stall_timeout_s:
+            self._watchdog = self._loop.create_task(self._watch(self.stall_timeout_s))
+        return info
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the engine to be ready; returns ``ready``.
@@ -265,6 +281,9 @@ class AsyncEngineClient:
         grace = timeout if self.ready else 0.0
         self._closed, self.ready = True, False
         self.last_error = "the engine was shut down"
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            await asyncio.gather(self._watchdog, return_exceptions=True)
         if self._restart_task is not None:
             self._restart_task.cancel()
             await asyncio.gather(self._restart_task, return_exceptions=True)
@@ -298,6 +317,8 @@ class AsyncEngineClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         proc, stream = self._proc, asyncio.Queue()
+        if not self._streams:  # an idle engine reports nothing: its clock starts now
+            self._last_progress = time.monotonic()
         self._streams[request_id] = stream
         proc.send(AddRequest(request_id, list(prompt_token_ids), params, speculative))
         done = False  # nothing left in the engine to abort
@@ -351,12 +372,14 @@ class AsyncEngineClient:
             await asyncio.to_thread(proc.stop, 0.0)
             raise
         self.info, self.ready, self.last_error = info, True, None
+        self._last_progress, self._stall_reason = time.monotonic(), None
         return info
 
     def _on_message(self, proc: _EngineProcess, message: object) -> None:
         if proc is not self._proc:
             return  # a late report from a process we have already replaced
         if isinstance(message, EngineOutputs):
+            self._last_progress = time.monotonic()
             self.stats = message.stats
             for error in message.errors:
                 self._deliver(error.request_id, ValueError(error.message))
@@ -387,13 +410,29 @@ class AsyncEngineClient:
         if not self.ready:
             return  # _launch has not taken it into service yet: it raises EngineStartError
         self.ready = False
-        self.last_error = f"the engine process died (exit code {exitcode})"
+        self.last_error = self._stall_reason or f"the engine process died (exit code {exitcode})"
         logger.error("%s; %d requests in flight", self.last_error, len(self._streams))
         self._fail_streams(self.last_error)
         # A restart task ends in the same step as the _launch that takes its process into
         # service, so none runs here; never start a second that shutdown() could not cancel.
         if self._restart_task is None:
             self._restart_task = self._loop.create_task(self._restart(proc))
+
+    async def _watch(self, timeout: float) -> None:
+        """Kill an engine that stopped making progress with work in flight (see the class)."""
+        while not self._closed:
+            await asyncio.sleep(min(1.0, timeout / 4))
+            proc = self._proc
+            if not (self.ready and self._streams and proc is not None and not proc.exited):
+                continue
+            silent = time.monotonic() - self._last_progress
+            if silent > timeout:
+                self._stall_reason = (
+                    f"the engine process made no progress for {silent:.0f} s with "
+                    f"{len(self._streams)} requests in flight; it was killed"
+                )
+                logger.error(self._stall_reason)
+                proc.process.kill()  # its exit fails the streams and restarts it (_on_exit)
 
     def _fail_streams(self, message: str) -> None:
         for stream in self._streams.values():

@@ -34,6 +34,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         api_keys=api_keys_from(args),
         max_queued_requests=args.max_queued_requests,
         limits=limits,
+        engine_stall_timeout_s=args.engine_stall_timeout or None,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     uvicorn.run(
@@ -63,6 +64,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=256,
         help="requests accepted beyond the running batch before answering 429",
+    )
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=60.0,
+        help="seconds an engine may report nothing while requests are in flight before it is "
+        "killed and restarted, its streams ended with an error (0: never)",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

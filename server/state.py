@@ -27,6 +27,9 @@ class ServerSettings:
     # Requests accepted beyond those the engine can run at once before answering 429.
     max_queued_requests: int = 256
     max_engine_restarts: int = 3
+    # An engine that reports nothing this long while requests are in flight is killed and
+    # restarted (the watchdog); None: never.
+    engine_stall_timeout_s: float | None = 60.0
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
@@ -37,7 +40,11 @@ class ServerSettings:
 class ServerState:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.client = AsyncEngineClient(settings.config, max_restarts=settings.max_engine_restarts)
+        self.client = AsyncEngineClient(
+            settings.config,
+            max_restarts=settings.max_engine_restarts,
+            stall_timeout_s=settings.engine_stall_timeout_s,
+        )
         self.metrics = ServerMetrics(settings.model_name, lambda: self.client.totals)
         self.tokenizer = None
         self.reserved = 0  # sequences of accepted requests that have not ended
