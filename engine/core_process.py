@@ -41,6 +41,7 @@ from engine.core_protocol import (
     EngineStats,
     RequestDelta,
     Shutdown,
+    StreamBacklogError,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +53,7 @@ __all__ = [
     "EngineDeadError",
     "EngineNotReadyError",
     "EngineStartError",
+    "StreamBacklogError",
 ]
 
 logger = logging.getLogger(__name__)
@@ -199,6 +201,11 @@ class AsyncEngineClient:
     The watchdog: with ``stall_timeout_s``, an engine process that is alive but has reported
     nothing for that long while requests are in flight (a hung kernel, a stopped process) is
     killed, which fails its streams and restarts it like any other death.
+
+    Backpressure: each request's undelivered outputs are bounded by ``max_stream_backlog``. A
+    consumer that falls that far behind (a client that stopped reading) gets
+    ``StreamBacklogError`` after what is queued, and its request is aborted in the engine at
+    once: it never slows the engine or other requests, and never holds memory or KV blocks.
     """
 
     def __init__(
@@ -207,11 +214,13 @@ class AsyncEngineClient:
         max_restarts: int = 3,
         restart_window_s: float = 600.0,
         stall_timeout_s: float | None = None,
+        max_stream_backlog: int = 1024,
     ):
         self.config = config
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.stall_timeout_s = stall_timeout_s
+        self.max_stream_backlog = max_stream_backlog
         self.ready = False
         self.info: EngineInfo | None = None
         self.stats = EngineStats()  # the latest snapshot from the engine
@@ -393,8 +402,20 @@ class AsyncEngineClient:
 
     def _deliver(self, request_id: str, item: RequestDelta | Exception) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:  # otherwise its consumer has gone: drop it
-            stream.put_nowait(item)
+        if stream is None:
+            return  # its consumer has gone: drop it
+        if isinstance(item, RequestDelta) and stream.qsize() >= self.max_stream_backlog:
+            del self._streams[request_id]
+            stream.put_nowait(
+                StreamBacklogError(
+                    f"request {request_id} was aborted: its client fell "
+                    f"{self.max_stream_backlog} outputs behind (it stopped reading?)"
+                )
+            )
+            if self._proc is not None and not self._proc.exited:
+                self._proc.send(AbortRequest(request_id))
+            return
+        stream.put_nowait(item)
 
     def _on_exit(self, proc: _EngineProcess, exitcode: int | None) -> None:
         proc.exited, proc.exit_code = True, exitcode

@@ -35,6 +35,10 @@ class EngineStartError(RuntimeError):
     """The engine process exited (or reported a failure) before it was ready."""
 
 
+class StreamBacklogError(RuntimeError):
+    """The request's consumer fell too far behind its output; the request was aborted."""
+
+
 # ---- what the engine reports ---------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineInfo:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core_protocol import EngineDeadError, EngineNotReadyError
+from engine.core_protocol import EngineDeadError, EngineNotReadyError, StreamBacklogError
 
 log = logging.getLogger("specserve.requests")
 
@@ -84,12 +84,14 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
 
 def engine_error(exc: Exception) -> APIError:
     """What a failure while generating becomes once the request was accepted."""
+    if isinstance(exc, StreamBacklogError):
+        return APIError(408, str(exc), code="client_too_slow")  # the client did not read
     if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
         return APIError(503, f"The engine failed while serving this request: {exc}")
     return APIError(400, str(exc))  # a ValueError: the engine refused the request
 
 
-GENERATION_ERRORS = (EngineDeadError, EngineNotReadyError, ValueError)
+GENERATION_ERRORS = (EngineDeadError, EngineNotReadyError, StreamBacklogError, ValueError)
 
 
 def install_error_handlers(app: FastAPI) -> None:
