@@ -167,6 +167,9 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
         Variant("eagle", {"method": "eagle"}),
         Variant("eagle-k2", {"method": "eagle", "num_speculative_tokens": 2}),
         Variant("eagle-k3", {"method": "eagle", "num_speculative_tokens": 3}),
+        # The Kangaroo adapter shipped for the model; chains stop below its exit threshold.
+        Variant("kangaroo", {"method": "kangaroo"}),
+        Variant("kangaroo-k2", {"method": "kangaroo", "num_speculative_tokens": 2}),
         Variant("draft-int8-adaptive", draft(window={"policy": "adaptive_exit"})),
         Variant("draft-int8-entropy", draft(window={"policy": "entropy"})),
         Variant("draft-int8-gate0.3", draft(gate={"min_target_prob": 0.3})),

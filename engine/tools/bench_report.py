@@ -76,10 +76,13 @@ def describe(config: DecoderConfig) -> str:
         parts.append(
             f"skip_attention {s.skip_attention}, skip_mlp {s.skip_mlp}, exit_layer {s.exit_layer}"
         )
-    if config.method in ("medusa", "hydra", "eagle"):
+    if config.method in ("medusa", "hydra", "eagle", "kangaroo"):
         drafter = getattr(config, config.method).drafter
-        shape = "chain of up to k drafts" if config.method == "eagle" else "tree of k nodes"
+        chain = config.method in ("eagle", "kangaroo")
+        shape = "chain of up to k drafts" if chain else "tree of k nodes"
         parts.append(f"drafter {drafter or 'shipped for the model'}, {shape}")
+        if config.method == "kangaroo":
+            parts.append(f"exit threshold {config.kangaroo.exit_threshold}")
     if config.method == "hierarchical":
         h = config.hierarchical
         parts.append(f"level 1 {h.level1}, tau2 {h.tau2}")
