@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import SequenceSlice, build_attention_metadata, tree_depths
+from engine.attention import (
+    AttentionMetadata,
+    SequenceSlice,
+    build_attention_metadata,
+    tree_depths,
+)
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel, ModelOutput
 
@@ -28,6 +33,17 @@ class ForwardItem:
     # A token tree to verify instead of a chain (see engine.attention.SequenceSlice): token i
     # follows token tree_parents[i] (-1: the cached tokens) and sits at num_cached + its depth.
     tree_parents: Sequence[int] | None = None
+
+
+@dataclass
+class FlatBatch:
+    """A step's items flattened: token ids and positions over all rows, the attention plan,
+    and the rows that want logits."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn: AttentionMetadata
+    logits_rows: torch.Tensor
 
 
 class ModelRunner:
@@ -47,6 +63,14 @@ class ModelRunner:
     def forward(self, items: Sequence[ForwardItem], **model_options) -> ModelOutput:
         """As ``run``, returning the model's output: the logits, and with ``hidden_layer`` the
         hidden states after that layer for the same rows."""
+        batch = self.flatten(items)
+        return self.model(
+            batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn,
+            logits_indices=batch.logits_rows, **model_options,
+        )  # fmt: skip
+
+    def flatten(self, items: Sequence[ForwardItem]) -> FlatBatch:
+        """The items as one flattened batch, with its attention plan."""
         input_ids, positions, logits_rows, slices = [], [], [], []
         row = 0
         for item in items:
@@ -63,11 +87,9 @@ class ModelRunner:
         attn = build_attention_metadata(
             slices, self.kv_cache.block_size, arch.head_dim, self.device, arch.sliding_window
         )
-        return self.model(
+        return FlatBatch(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
-            self.kv_cache.layers,
             attn,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long, device=self.device),
-            **model_options,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
         )

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.attention import SequenceSlice, build_attention_metadata
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
+from engine.model_runner import ForwardItem
 from engine.training.self_distillation import sequence_features
 from engine.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
 from tests.tiny_models import save_kangaroo_drafter
@@ -38,19 +38,12 @@ def test_draft_model_equals_the_adapters_training_form(tiny_model_dir, drafter_d
     engine = llm.engine
     runner = engine.speculator.decoders["kangaroo"].drafter.runner
     tokens = PROMPTS[3]
-    arch = engine.model.arch
-    meta = build_attention_metadata(
-        [SequenceSlice(0, len(tokens), [0, 1])], 16, arch.head_dim, "cpu"
-    )
-    logits = runner.model(
-        torch.tensor(tokens), torch.arange(len(tokens)), runner.kv_cache.layers, meta,
-        skip_mlp=frozenset({1}),
-    ).logits  # fmt: skip
+    logits = runner.forward([ForwardItem(tokens, 0, [0, 1], len(tokens))]).logits
     adapter = TrainedDrafter.load(drafter_dir, "kangaroo", KangarooAdapter).network
     (shallow,) = sequence_features(engine.model, [tokens], layer=0)
     rope = engine.model.rope.lookup(torch.arange(len(tokens)))
     out = adapter.forward_train(shallow[None], rope)[0]
-    expected = runner.model.lm_head(out)  # the same (int8) readout of the draft vocabulary
+    expected = runner.head(out)  # the same (int8) readout of the draft vocabulary
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
 
 

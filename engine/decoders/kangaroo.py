@@ -10,7 +10,8 @@ nothing more than the shallow layers, and a doubtful draft is seldom accepted.
 The draft runs as a separate draft model over the target's block ids with its own small cache
 (the shallow layers' K/V and the adapter's: ``exit_layer + 1`` of the target's layers' worth),
 so it never writes the target's cache for verified positions, and it catches up on accepted
-tokens lazily (``ModelDrafter``'s own-cache mode). Drafts are drawn from its processed q (the
+tokens lazily (``ModelDrafter``'s own-cache mode). The shallow layers run as one C++ stack
+where the target's do (``KangarooRunner``). Drafts are drawn from its processed q (the
 argmax for greedy requests): verification is the general rejection rule.
 """
 
@@ -29,7 +30,7 @@ from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.draft_copies import quantized_dense
 from engine.models.linear import Linear
-from engine.models.llama import DecoderLayer, LlamaModel, rms_norm
+from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
 from engine.models.rope import rotate
 
 if TYPE_CHECKING:
@@ -108,35 +109,65 @@ class DraftVocabularyHead(nn.Module):
         return logits
 
 
-def kangaroo_model(adapter: KangarooAdapter, draft_vocab, target, quantization: str):
-    """The draft model: the target's first layers (shared weights), the adapter as one more
-    layer whose MLP is always skipped, its output norm, and the draft-vocabulary head."""
-    model = target.model
-    arch = model.arch
-    exit_layer = adapter.shape["exit_layer"]
-    if not 1 <= exit_layer < arch.num_layers:
-        raise ValueError(f"kangaroo exit_layer {exit_layer} is not inside the target")
-    dtype, device = model.dtype, torch.device(target.device)
+class KangarooRunner(ModelRunner):
+    """The draft model's forward pass over its own cache (``exit_layer + 1`` layers): the
+    target's first layers as a model of their own (so they run as one C++ stack where the
+    target's do), then the adapter's attention sublayer on every row (its K/V for every new
+    token), then its output norm and the draft-vocabulary head on the rows that want logits."""
 
-    def projection(linear: nn.Linear) -> nn.Module:
-        weight = linear.weight.detach().to(device=device, dtype=dtype)
-        if quantization == "int8":
-            return quantized_dense(weight, None, "int8", model)
-        return Linear(weight, None, pack=True)
+    def __init__(self, adapter: KangarooAdapter, draft_vocab, target, quantization: str):
+        model = target.model
+        arch = model.arch
+        self.exit_layer = adapter.shape["exit_layer"]
+        if not 1 <= self.exit_layer < arch.num_layers:
+            raise ValueError(f"kangaroo exit_layer {self.exit_layer} is not inside the target")
+        dtype, device = model.dtype, torch.device(target.device)
 
-    def norm(weight: torch.Tensor) -> torch.Tensor:
-        return weight.detach().to(device=device, dtype=dtype)
+        def projection(linear: nn.Linear) -> nn.Module:
+            weight = linear.weight.detach().to(device=device, dtype=dtype)
+            if quantization == "int8":
+                return quantized_dense(weight, None, "int8", model)
+            return Linear(weight, None, pack=True)
 
-    # No MLP: the runner always skips it (``skip_mlp``), so it has neither norm nor weights.
-    layer = DecoderLayer(
-        arch, norm(adapter.input_norm), projection(adapter.qkv), projection(adapter.o),
-        None, None, None,
-    )  # fmt: skip
-    head = DraftVocabularyHead(
-        build_readout(model, draft_vocab), draft_vocab.to(device), arch.vocab_size
-    )
-    layers = [*list(model.layers)[:exit_layer], layer]
-    return LlamaModel(arch, model.rope, model.embed_tokens, layers, norm(adapter.output_norm), head)
+        def norm(weight: torch.Tensor) -> torch.Tensor:
+            return weight.detach().to(device=device, dtype=dtype)
+
+        shallow = LlamaModel(
+            arch, model.rope, model.embed_tokens, list(model.layers)[: self.exit_layer],
+            model.final_norm, model.lm_head,
+        )  # fmt: skip
+        cache = target.kv_cache
+        own_cache = KVCache(
+            self.exit_layer + 1, cache.num_blocks, cache.block_size, arch.num_kv_heads,
+            arch.head_dim, dtype, device,
+        )  # fmt: skip
+        super().__init__(shallow, own_cache, device)
+        # No MLP: the adapter is an attention sublayer (``mlp=False`` below), so the layer
+        # has neither its norm nor its weights.
+        self.adapter = DecoderLayer(
+            arch, norm(adapter.input_norm), projection(adapter.qkv), projection(adapter.o),
+            None, None, None,
+        )  # fmt: skip
+        self.output_norm = norm(adapter.output_norm)
+        self.head = DraftVocabularyHead(
+            build_readout(model, draft_vocab), draft_vocab.to(device), arch.vocab_size
+        )
+
+    @torch.inference_mode()
+    def forward(self, items, **model_options) -> ModelOutput:
+        batch = self.flatten(items)
+        layers = self.kv_cache.layers
+        shallow = self.model(
+            batch.input_ids, batch.positions, layers[: self.exit_layer], batch.attn,
+            hidden_layer=self.exit_layer - 1, compute_logits=False, all_hidden=True,
+        )  # fmt: skip
+        rope = self.model.rope.lookup(batch.positions)
+        hidden = self.adapter(
+            shallow.hidden_states, rope, layers[self.exit_layer], batch.attn, mlp=False
+        )
+        rows = hidden.index_select(0, batch.logits_rows)
+        eps = self.model.arch.rms_norm_eps
+        return ModelOutput(logits=self.head(rms_norm(rows, self.output_norm, eps)))
 
 
 class KangarooDecoder(ModelDraftDecoder):
@@ -163,16 +194,8 @@ class ConfidenceExit:
 def build_kangaroo_decoder(config: DecoderConfig, target: TargetContext) -> KangarooDecoder:
     spec = config.kangaroo
     drafter = load_drafter(spec.drafter, "kangaroo", KangarooAdapter, target.model)
-    model = kangaroo_model(drafter.network, drafter.draft_vocab, target, spec.quantization)
-    arch, cache = target.model.arch, target.kv_cache
-    own_cache = KVCache(
-        len(model.layers), cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim,
-        model.dtype, target.device,
-    )  # fmt: skip
-    runner = ModelRunner(model, own_cache, target.device)
-    skip = {"skip_mlp": frozenset({len(model.layers) - 1})}
+    runner = KangarooRunner(drafter.network, drafter.draft_vocab, target, spec.quantization)
     window = ConfidenceExit(spec.exit_threshold)
     return KangarooDecoder(
-        ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False,
-                     model_options=skip)  # fmt: skip
+        ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False)
     )
