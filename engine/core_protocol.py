@@ -39,6 +39,10 @@ class StreamBacklogError(RuntimeError):
     """The request's consumer fell too far behind its output; the request was aborted."""
 
 
+class RequestTimeoutError(RuntimeError):
+    """The request ran past the server's per-request time limit; it was aborted."""
+
+
 # ---- what the engine reports ---------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineInfo:

@@ -130,7 +130,7 @@ async def _sse(p: Prepared, start: float) -> AsyncIterator[dict]:
         # Headers are gone already: the error travels as an event, as vLLM does.
         err = engine_error(e)
         status = err.status
-        yield {"data": json.dumps(error_body(err.status, err.message))}
+        yield {"data": json.dumps(error_body(err.status, err.message, err.param, err.code))}
     except asyncio.CancelledError:
         status = 499  # the client went away; leaving the generator aborted the request
         raise

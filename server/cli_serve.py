@@ -35,6 +35,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         limits=limits,
         engine_stall_timeout_s=args.engine_stall_timeout or None,
+        request_timeout_s=args.request_timeout or None,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     uvicorn.run(
@@ -71,6 +72,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds an engine may report nothing while requests are in flight before it is "
         "killed and restarted, its streams ended with an error (0: never)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=0.0,
+        help="seconds after which a request still generating is aborted with a 408 (an error "
+        "event when streaming; 0: no limit)",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

@@ -14,7 +14,12 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.core_protocol import EngineDeadError, EngineNotReadyError, StreamBacklogError
+from engine.core_protocol import (
+    EngineDeadError,
+    EngineNotReadyError,
+    RequestTimeoutError,
+    StreamBacklogError,
+)
 
 log = logging.getLogger("specserve.requests")
 
@@ -86,12 +91,20 @@ def engine_error(exc: Exception) -> APIError:
     """What a failure while generating becomes once the request was accepted."""
     if isinstance(exc, StreamBacklogError):
         return APIError(408, str(exc), code="client_too_slow")  # the client did not read
+    if isinstance(exc, RequestTimeoutError):
+        return APIError(408, str(exc), code="timeout")
     if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
         return APIError(503, f"The engine failed while serving this request: {exc}")
     return APIError(400, str(exc))  # a ValueError: the engine refused the request
 
 
-GENERATION_ERRORS = (EngineDeadError, EngineNotReadyError, StreamBacklogError, ValueError)
+GENERATION_ERRORS = (
+    EngineDeadError,
+    EngineNotReadyError,
+    StreamBacklogError,
+    RequestTimeoutError,
+    ValueError,
+)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from engine.core_protocol import EngineDeadError
+from engine.core_protocol import EngineDeadError, RequestTimeoutError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling import SampledToken, SamplingParams
 from server.metrics import ServerMetrics
@@ -58,6 +58,7 @@ class RequestRun:
     metrics: ServerMetrics
     on_done: Callable[[], None] = lambda: None  # called once when the run ends, however
     speculative: object = None  # SpeculativeOptions: the request's decoder, if it chose one
+    timeout_s: float | None = None  # the server's per-request time limit, from arrival
     arrival: float = field(default_factory=time.time)
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
@@ -120,6 +121,11 @@ class RequestRun:
         # aclosing: leaving the loop early (all choices stopped, a disconnect) aborts at once.
         async with contextlib.aclosing(stream):
             async for delta in stream:
+                if self.timeout_s is not None and time.time() - self.arrival > self.timeout_s:
+                    # Leaving the loop (aclosing) aborts the request in the engine.
+                    raise RequestTimeoutError(
+                        f"the request ran past the server's limit of {self.timeout_s:g} s"
+                    )
                 if clock.on_delta(delta):
                     self.usage.prompt_tokens += len(prompt)
                 for c in delta.choices:

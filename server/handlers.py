@@ -149,6 +149,7 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
         metrics=state.metrics,
         on_done=reservation.release,
         speculative=speculative,
+        timeout_s=state.settings.request_timeout_s,
     )
     # A response that never starts (the client left first) must still give its room back.
     weakref.finalize(run, reservation.release)

@@ -30,6 +30,9 @@ class ServerSettings:
     # An engine that reports nothing this long while requests are in flight is killed and
     # restarted (the watchdog); None: never.
     engine_stall_timeout_s: float | None = 60.0
+    # A request still generating this long after it arrived is aborted with a 408 (an error
+    # event when streaming); None: no limit.
+    request_timeout_s: float | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property

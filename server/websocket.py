@@ -46,8 +46,8 @@ class _Connection:
         async with self.send_lock:
             await self.ws.send_text(json.dumps(message))
 
-    async def error(self, request_id, status: int, message: str, param=None) -> None:
-        body = error_body(status, message, param)
+    async def error(self, request_id, status: int, message: str, param=None, code=None) -> None:
+        body = error_body(status, message, param, code)
         await self.send({"type": "error", "request_id": request_id, **body})
 
     async def handle(self, message: dict) -> None:
@@ -110,7 +110,7 @@ class _Connection:
         except GENERATION_ERRORS as e:
             err = engine_error(e)
             status = err.status
-            await self.error(request_id, err.status, err.message)
+            await self.error(request_id, err.status, err.message, err.param, err.code)
         except Exception:
             status = 500
             log.exception("ws %s stream failed", request_id)
