@@ -126,6 +126,10 @@ class DecoderConfig(_Strict):
     extra_methods: list[DecoderName] = Field(default_factory=list)
     # Draft tokens per step (k): the most a drafting decoder proposes for one sequence.
     num_speculative_tokens: int = Field(4, ge=1, le=16)
+    # How many of those k to draft each step: always k (capped by windows and the gate), or
+    # the goodput policy's choice, 0 included, from measured step costs and acceptance
+    # (engine/draft_policy.py).
+    draft_policy: Literal["fixed", "goodput"] = "fixed"
     # ngram: the longest and shortest suffix n-gram looked up in the prompt and output.
     prompt_lookup_max: int = Field(4, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -10,6 +11,7 @@ import torch
 from engine.config import DecoderConfig, EngineConfig
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
 from engine.decoders.gate import TargetConfidenceGate
+from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
@@ -116,6 +118,7 @@ class Engine:
             self.max_model_len,
             TargetConfidenceGate(config.gate.min_target_prob),
             self.kv_cache,
+            GoodputPolicy() if config.draft_policy == "goodput" else None,
         )
 
     # ---- requests ----------------------------------------------------------------------
@@ -259,6 +262,7 @@ class Engine:
         else:
             items = self.speculator.forward_items(scheduled, completing, proposals)
             hidden = None
+            started = time.perf_counter()
             if self.speculator.reads_target_hidden:
                 out = self.runner.forward(
                     items, hidden_layer=self.model.arch.num_layers - 1, all_hidden=True
@@ -266,6 +270,9 @@ class Engine:
                 logits, hidden = out.logits, out.hidden_states
             else:
                 logits = self.runner.run(items)
+            self.speculator.observe_forward(
+                sum(len(item.token_ids) for item in items), time.perf_counter() - started
+            )
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
             )

@@ -13,6 +13,7 @@ after the decode token, so the cache holds the path as if it had been a chain.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from engine.attention import slots_for_positions
 from engine.decoders import Decoder, Proposal
 from engine.decoders.gate import TargetConfidenceGate
+from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import BlockManager, KVCache
 from engine.model_runner import ForwardItem
 from engine.rejection_sampler import DraftRun, RejectionSampler
@@ -72,6 +74,7 @@ class Speculator:
         max_model_len: int,
         gate: TargetConfidenceGate | None = None,
         kv_cache: KVCache | None = None,
+        policy: GoodputPolicy | None = None,
     ):
         self.decoders = decoders  # drafting decoders by name (autoregressive is not one)
         self.default_method = default_method
@@ -80,6 +83,7 @@ class Speculator:
         self.kv_cache = kv_cache  # where accepted tree paths are compacted
         self.max_model_len = max_model_len
         self.gate = gate or TargetConfidenceGate(None)
+        self.policy = policy  # None: draft what the decoders ask for (fixed k)
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()  # all decoders together
         self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
@@ -110,7 +114,11 @@ class Speculator:
             if not seqs:
                 continue
             wants = decoder.plan(seqs, {s: self._max_drafts(s) for s in seqs})
-            lookahead.update({s: n for s, n in wants.items() if n > 0})
+            wants = {s: n for s, n in wants.items() if n > 0}
+            if self.policy is not None and wants:
+                k = self.policy.choose(decoder.name, len(wants), max(wants.values()))
+                wants = {s: min(n, k) for s, n in wants.items() if min(n, k) > 0}
+            lookahead.update(wants)
         return lookahead
 
     def propose(self, scheduled: list[ScheduledSequence]) -> dict[Sequence, Proposal]:
@@ -119,7 +127,12 @@ class Speculator:
         granted = {s.seq: s for s in scheduled if s.num_lookahead > 0}
         proposals: dict[Sequence, Proposal] = {}
         for decoder, seqs in self._by_decoder(granted).items():
-            proposals.update(decoder.propose(seqs, {s: granted[s].num_lookahead for s in seqs}))
+            grants = {s: granted[s].num_lookahead for s in seqs}
+            started = time.perf_counter()
+            proposals.update(decoder.propose(seqs, grants))
+            if self.policy is not None:
+                seconds = time.perf_counter() - started
+                self.policy.observe_draft(decoder.name, max(grants.values()), seconds)
         for seq, s in granted.items():
             proposal = proposals.get(seq)
             count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
@@ -131,6 +144,12 @@ class Speculator:
                 proposals[seq] = proposal.truncated(count)
             s.num_lookahead = count
         return proposals
+
+    def observe_forward(self, num_tokens: int, seconds: float) -> None:
+        """The step's forward pass took ``seconds`` for ``num_tokens`` tokens (the policy's
+        cost model)."""
+        if self.policy is not None:
+            self.policy.observe_step(num_tokens, seconds)
 
     def _max_drafts(self, seq: Sequence) -> int:
         k = self.num_speculative_tokens
@@ -201,6 +220,8 @@ class Speculator:
                 decoder = self.decoder_of(s.seq)
                 decoder.on_verified(s.seq, proposals[s.seq], v.num_accepted)
                 self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
+                if self.policy is not None:
+                    self.policy.observe_run(decoder.name, k, v.num_accepted)
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
             accepted[s.seq] = v.num_accepted

@@ -112,7 +112,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "pip install 'specserve[bench]'). With --decoder all, or comma-separated variant names "
         "(ngram, ngram-tree4, ngram-tree4-k8, draft-int8, draft-int4, draft-bf16, "
         "draft-int8-8layers, layerskip, hierarchical, medusa, hydra, hydra-k2, hydra-k8, "
-        "eagle, eagle-k2, eagle-k3, kangaroo, kangaroo-k2, "
+        "eagle, eagle-k2, eagle-k3, kangaroo, kangaroo-k2, hydra-goodput, eagle-goodput, "
+        "kangaroo-goodput, ngram-goodput, "
         "draft-int8-adaptive, draft-int8-entropy, draft-int8-gate0.3): each speculative "
         "decoder against autoregressive decoding and transformers' assisted generation on the "
         "chat and input-grounded prompt sets, a table, and a PNG plot.",

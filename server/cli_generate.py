@@ -33,6 +33,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-speculative-tokens", type=int, help="draft tokens per step (k)")
     p.add_argument(
+        "--draft-policy",
+        choices=["fixed", "goodput"],
+        help="fixed: draft k every step (the default); goodput: each step's draft length, 0 "
+        "included, from measured step costs and acceptance",
+    )
+    p.add_argument(
         "--threads",
         type=_positive_int,
         help="threads of the products (default: every core while the cores are free, one "
@@ -58,7 +64,11 @@ def engine_config_from_args(args: argparse.Namespace):
     overrides: dict = {"model": args.model} if args.model else {}
     if getattr(args, "threads", None):
         overrides["num_threads"] = args.threads
-    decoder = {"method": args.decoder, "num_speculative_tokens": args.num_speculative_tokens}
+    decoder = {
+        "method": args.decoder,
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "draft_policy": getattr(args, "draft_policy", None),
+    }
     if args.extra_decoders:
         decoder["extra_methods"] = [m.strip() for m in args.extra_decoders.split(",") if m.strip()]
     if args.draft_model:

@@ -18,6 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.decoders import SpeculativeOptions
+from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling import probabilities, process_logits
@@ -277,3 +278,18 @@ def test_continuations_of_a_seeded_request_draft_independently(engines, monkeypa
     largest = max(first_drafts.values(), key=len)
     assert len(largest) >= 10
     assert len(set(largest)) > 1, f"{len(largest)} continuations all drafted {largest[0]}"
+
+
+def test_draft_lengths_switching_mid_request_keep_sampling_exact(engines, exact, monkeypatch):
+    # A fresh goodput policy measures each length once (0, then 1, then 2) and then tries one
+    # more every other step: the continuations' draft lengths change from step to step.
+    engine = engines["self"].engine
+    policy = GoodputPolicy(explore_every=2)
+    monkeypatch.setattr(engine.speculator, "policy", policy)
+    params = PARAMS["penalties-logit_bias"]
+    request = SamplingParams(
+        **{**params.__dict__, "n": DRAWS, "max_tokens": 4, "ignore_eos": True, "seed": 2}
+    )
+    tokens, _ = sample_continuations(engine, "draft", [request], monkeypatch)
+    check_distributions(tokens, exact["penalties-logit_bias"])
+    assert sum(1 for count in policy.chosen["draft"].values() if count) >= 2

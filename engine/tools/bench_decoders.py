@@ -170,6 +170,11 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
         # The Kangaroo adapter shipped for the model; chains stop below its exit threshold.
         Variant("kangaroo", {"method": "kangaroo"}),
         Variant("kangaroo-k2", {"method": "kangaroo", "num_speculative_tokens": 2}),
+        # The goodput policy picks each step's draft length (0 included) up to k.
+        Variant("hydra-goodput", {"method": "hydra", "draft_policy": "goodput"}),
+        Variant("eagle-goodput", {"method": "eagle", "draft_policy": "goodput"}),
+        Variant("kangaroo-goodput", {"method": "kangaroo", "draft_policy": "goodput"}),
+        Variant("ngram-goodput", {"method": "ngram", "draft_policy": "goodput"}),
         Variant("draft-int8-adaptive", draft(window={"policy": "adaptive_exit"})),
         Variant("draft-int8-entropy", draft(window={"policy": "entropy"})),
         Variant("draft-int8-gate0.3", draft(gate={"min_target_prob": 0.3})),

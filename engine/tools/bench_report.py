@@ -90,6 +90,8 @@ def describe(config: DecoderConfig) -> str:
         w = config.window
         detail = {"adaptive_exit": f" gamma {w.gamma}", "entropy": f" tau {w.tau}"}
         parts.append(f"window {w.policy}{detail.get(w.policy, '')}")
+    if config.draft_policy != "fixed":
+        parts.append(f"draft policy {config.draft_policy}")
     if config.gate.min_target_prob is not None:
         parts.append(f"gate min_target_prob {config.gate.min_target_prob}")
     return "; ".join(parts)
