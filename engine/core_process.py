@@ -493,22 +493,24 @@ class AsyncEngineClient:
 
 
 def _sum_counters(a: EngineStats, b: EngineStats) -> dict:
+    per_decoder = ("spec_by_decoder", "spec_draft_lengths")
     summed = {
         name: _add(getattr(a, name), getattr(b, name))
         for name in EngineStats.COUNTERS
-        if name != "spec_by_decoder"
+        if name not in per_decoder
     }
-    by_decoder = dict(a.spec_by_decoder)
-    for name, counts in b.spec_by_decoder:
-        old = by_decoder.get(name)
-        by_decoder[name] = counts if old is None else tuple(map(_add, old, counts))
-    summed["spec_by_decoder"] = tuple(by_decoder.items())
+    for name in per_decoder:  # (decoder, counts) pairs: add the counts decoder by decoder
+        merged = dict(getattr(a, name))
+        for decoder, counts in getattr(b, name):
+            old = merged.get(decoder)
+            merged[decoder] = counts if old is None else _add(old, counts)
+        summed[name] = tuple(merged.items())
     return summed
 
 
 def _add(a, b):
-    if isinstance(a, tuple):  # per-position counts: add position by position
+    if isinstance(a, tuple):  # per-position counts (or nested ones): add item by item
         longest = max(len(a), len(b))
         a, b = a + (0,) * (longest - len(a)), b + (0,) * (longest - len(b))
-        return tuple(x + y for x, y in zip(a, b, strict=True))
+        return tuple(_add(x, y) for x, y in zip(a, b, strict=True))
     return a + b

@@ -72,6 +72,7 @@ class EngineStats:
         "spec_num_accepted_tokens",
         "spec_accepted_per_position",
         "spec_by_decoder",
+        "spec_draft_lengths",
     )
 
     num_running: int = 0  # requests with at least one sequence in the running queue
@@ -91,6 +92,12 @@ class EngineStats:
     # The same four counters per drafting decoder: (name, (drafts, draft tokens, accepted,
     # accepted per position)), one entry per loaded decoder.
     spec_by_decoder: tuple[tuple[str, tuple], ...] = ()
+    # The goodput policy (when on): per decoder, how many steps it chose each draft length
+    # (index = length; 0 = that decoder's sequences drafted nothing), and its last choice's
+    # predicted step time against the time the step took (seconds; gauges).
+    spec_draft_lengths: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    spec_policy_predicted_seconds: float = 0.0
+    spec_policy_measured_seconds: float = 0.0
 
 
 @dataclass
@@ -264,9 +271,19 @@ def _spec_stats(engine: Engine) -> dict:
         )
         for name, stats in engine.speculator.stats_by_decoder.items()
     )
+    policy = engine.speculator.policy
+    lengths = ()
+    if policy is not None:
+        lengths = tuple(
+            (name, tuple(chosen.get(k, 0) for k in range(max(chosen, default=-1) + 1)))
+            for name, chosen in policy.chosen.items()
+        )
     return {
         "decoder": engine.speculator.default_method,
         "spec_by_decoder": by_decoder,
+        "spec_draft_lengths": lengths,
+        "spec_policy_predicted_seconds": engine.speculator.predicted_step_seconds,
+        "spec_policy_measured_seconds": engine.speculator.measured_step_seconds,
         "spec_num_drafts": spec.num_drafts,
         "spec_num_draft_tokens": spec.num_draft_tokens,
         "spec_num_accepted_tokens": spec.num_accepted_tokens,

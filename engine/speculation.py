@@ -84,6 +84,11 @@ class Speculator:
         self.max_model_len = max_model_len
         self.gate = gate or TargetConfidenceGate(None)
         self.policy = policy  # None: draft what the decoders ask for (fixed k)
+        # The policy's prediction for the latest step it chose for, and that step's drafting
+        # plus forward time (seconds; 0 without a policy or before its first estimate).
+        self.predicted_step_seconds = 0.0
+        self.measured_step_seconds = 0.0
+        self._step_draft_seconds = 0.0
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()  # all decoders together
         self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
@@ -118,6 +123,7 @@ class Speculator:
             if self.policy is not None and wants:
                 k = self.policy.choose(decoder.name, len(wants), max(wants.values()))
                 wants = {s: min(n, k) for s, n in wants.items() if min(n, k) > 0}
+                self.predicted_step_seconds = self.policy.predicted_seconds or 0.0
             lookahead.update(wants)
         return lookahead
 
@@ -133,6 +139,7 @@ class Speculator:
             if self.policy is not None:
                 seconds = time.perf_counter() - started
                 self.policy.observe_draft(decoder.name, max(grants.values()), seconds)
+                self._step_draft_seconds += seconds
         for seq, s in granted.items():
             proposal = proposals.get(seq)
             count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
@@ -150,6 +157,8 @@ class Speculator:
         cost model)."""
         if self.policy is not None:
             self.policy.observe_step(num_tokens, seconds)
+            self.measured_step_seconds = seconds + self._step_draft_seconds
+            self._step_draft_seconds = 0.0
 
     def _max_drafts(self, seq: Sequence) -> int:
         k = self.num_speculative_tokens

@@ -102,6 +102,33 @@ class EngineStatsCollector(Collector):
                 per_pos.add_metric([*values, str(position)], count)
         yield from families
         yield per_pos
+        yield from self._draft_policy(s)
+
+    def _draft_policy(self, s):
+        """The goodput policy's choices (when it is on): steps per decoder and draft length
+        (length 0: that decoder's sequences ran plain), and its last prediction of a step's
+        time against what the step took."""
+        lengths = getattr(s, "spec_draft_lengths", ())
+        if not lengths:
+            return
+        chosen = CounterMetricFamily(
+            PREFIX + "spec_decode_draft_length_chosen",
+            "Steps in which the draft policy chose each draft length, per decoder",
+            labels=["model_name", "decoder", "length"],
+        )
+        for decoder, counts in lengths:
+            for length, count in enumerate(counts):
+                chosen.add_metric([self.model_name, decoder, str(length)], count)
+        yield chosen
+        for name, doc, attr in (
+            ("spec_policy_predicted_step_seconds", "The draft policy's predicted step time",
+             "spec_policy_predicted_seconds"),
+            ("spec_policy_measured_step_seconds", "That step's drafting and forward time",
+             "spec_policy_measured_seconds"),
+        ):  # fmt: skip
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(getattr(s, attr, 0.0)))
+            yield g
 
 
 class ServerMetrics:

@@ -87,3 +87,28 @@ def test_greedy_output_is_unchanged_with_the_policy(tiny_model_dir, method):
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
     chosen = llm.engine.speculator.policy.chosen[method]
     assert sum(1 for count in chosen.values() if count) >= 2  # its choice changed
+
+
+def test_its_choices_reach_prometheus_and_survive_an_engine_restart(tiny_model_dir):
+    from engine.core_process import _sum_counters
+    from engine.core_protocol import EngineStats, engine_stats
+    from server.metrics import ServerMetrics
+
+    decoder = {"method": "ngram", "draft_policy": "goodput", "num_speculative_tokens": 3}
+    llm = LLM(model=str(tiny_model_dir), decoder=decoder)
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm.generate([[5, 6, 7, 8, 9] * 6], greedy)
+    stats = engine_stats(llm.engine)
+    (name, counts), = stats.spec_draft_lengths
+    assert name == "ngram" and sum(counts) > 0 and len(counts) >= 2
+    text = ServerMetrics("m", lambda: stats).render().decode()
+    for length, count in enumerate(counts):
+        line = (f'specserve:spec_decode_draft_length_chosen_total{{decoder="ngram",'
+                f'length="{length}",model_name="m"}} {float(count)}')  # fmt: skip
+        assert line in text, text
+    assert "specserve:spec_policy_predicted_step_seconds{" in text
+    assert stats.spec_policy_measured_seconds > 0
+    # Counters carried over a restart add up length by length.
+    restarted = EngineStats(spec_draft_lengths=(("ngram", (1,)),))
+    summed = _sum_counters(stats, restarted)["spec_draft_lengths"]
+    assert summed == (("ngram", (counts[0] + 1, *counts[1:])),)
