@@ -16,9 +16,10 @@ for the B sequences that want to draft, with
   position (decaying counts: position j counts the runs that reached it). For a token tree, k
   is its node count and the positions are the accepted path's depths, an approximation.
 
-Until a length has been measured the policy is optimistic (it takes the cap), so every length it
-may choose gets measured; every ``explore_every`` steps it tries one more than its choice, so
-the estimates keep up with the load. The windows, the gate and the request's k still cap what it
+Until a length has been measured the policy tries it, so every length it may choose gets
+measured; every ``explore_every`` steps one sequence of the group drafts one more than the
+choice (``explore``), so the estimates keep up with the load at the price of one sequence's
+extra draft, not the whole batch's. The windows, the gate and the request's k still cap what it
 may choose: it only ever drafts less. Choosing 0 for every sequence leaves the step without
 drafts. Output never depends on it: the verifier is exact whatever is drafted.
 """
@@ -103,6 +104,7 @@ class GoodputPolicy:
         self._steps = 0
         self.chosen: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.predicted_seconds: float | None = None  # the last choice's predicted step time
+        self.explore = False  # whether one sequence should draft one more than the choice
 
     def choose(self, decoder: str, num_seqs: int, cap: int, other_tokens: int = 0) -> int:
         """The draft length for ``num_seqs`` sequences of ``decoder`` (at most ``cap``), with
@@ -119,10 +121,9 @@ class GoodputPolicy:
             rate = num_seqs * (1 + record.expected_accepted(k)) / (forward + drafting)
             if rate > best_rate:
                 best, best_rate, best_time = k, rate, forward + drafting
-        if self._steps % self.explore_every == 0 and best < cap:
-            best += 1  # keep the neighbour's estimates fresh as the load changes
-            best_time = None
-        self.predicted_seconds = best_time
+        # Keep the next length's estimates fresh as the load changes (``explore``).
+        self.explore = self._steps % self.explore_every == 0 and best < cap
+        self.predicted_seconds = None if self.explore else best_time
         self.chosen[decoder][best] += 1
         return best
 

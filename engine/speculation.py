@@ -122,7 +122,11 @@ class Speculator:
             wants = {s: n for s, n in wants.items() if n > 0}
             if self.policy is not None and wants:
                 k = self.policy.choose(decoder.name, len(wants), max(wants.values()))
-                wants = {s: min(n, k) for s, n in wants.items() if min(n, k) > 0}
+                explorer = next(iter(wants)) if self.policy.explore else None
+                wants = {
+                    s: min(n, k + (s is explorer)) for s, n in wants.items()
+                    if min(n, k + (s is explorer)) > 0
+                }  # fmt: skip
                 self.predicted_step_seconds = self.policy.predicted_seconds or 0.0
             lookahead.update(wants)
         return lookahead

@@ -70,8 +70,16 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> StreamR
 
 
 async def run_load(
-    name: str, url: str, model: str, concurrency: int, requests: int, max_tokens: int
+    name: str,
+    url: str,
+    model: str,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> LoadResult:
+    """``requests`` streaming chats, ``concurrency`` at a time; ``extra`` joins every body."""
+    extra = extra or {}
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
         gate = asyncio.Semaphore(concurrency)
@@ -83,12 +91,14 @@ async def run_load(
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "stream": True,
+                **extra,
             }
             async with gate:
                 return await one_stream(client, url, body)
 
         # One request first, unmeasured: both servers do lazy set-up on their first request.
         warm = {"model": model, "messages": chat_messages(0), "max_tokens": 4, "stream": True}
+        warm |= extra
         await one_stream(client, url, warm)
         start = time.perf_counter()
         results = await asyncio.gather(*(task(i) for i in range(requests)))
@@ -249,3 +259,57 @@ def run_serve_bench(
     print(
         f"\nspecserve vs transformers: {throughput:.2f}x output tok/s, {ttft:.2f}x lower p50 TTFT"
     )
+
+
+def run_concurrency_sweep(
+    model: str | None,
+    config: str | None,
+    method: str,
+    concurrencies: list[int],
+    requests_per_stream: int,
+    max_tokens: int,
+    log_dir: str = "/tmp",
+) -> None:
+    """One specserve server (its config loads ``method``): at each concurrency, the same load
+    with every request on plain autoregressive decoding and then on ``method`` (chosen per
+    request), one table row per concurrency."""
+    from engine.llm import load_tokenizer
+    from engine.models.pull import resolve_model
+
+    model_dir = str(resolve_model(model or "smollm2-135m-instruct"))
+    tokenizer = load_tokenizer(Path(model_dir))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model",
+           model_dir, "--served-model-name", "bench"]  # fmt: skip
+    cmd += ["--config", config] if config else ["--decoder", method]
+    print(
+        f"model {model_dir}; config {config or '--decoder ' + method}; streaming chat, "
+        f"{requests_per_stream} requests per stream, max_tokens {max_tokens}, greedy\n"
+    )
+    print(
+        f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
+        f"autoregressive | ITL p50/p99 ms {method} |\n|---|---|---|---|---|---|"
+    )
+    proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
+    try:
+        for c in concurrencies:
+            rows = {}
+            for name in ("autoregressive", method):
+                load = asyncio.run(
+                    run_load(
+                        name, url, "bench", c, c * requests_per_stream, max_tokens,
+                        {"speculative": {"method": name}},
+                    )
+                )  # fmt: skip
+                tokens = load.output_tokens(tokenizer)
+                itl = percentiles([g for r in load.results for g in r.gaps])
+                rows[name] = (tokens / load.wall, itl)
+            (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]
+            print(
+                f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
+                f"{plain_itl[0] * 1e3:.0f} / {plain_itl[2] * 1e3:.0f} | "
+                f"{spec_itl[0] * 1e3:.0f} / {spec_itl[2] * 1e3:.0f} |"
+            )
+    finally:
+        stop_server(proc)

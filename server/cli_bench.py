@@ -34,8 +34,17 @@ def _cmd_bench_linear(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from server.bench_serve import LoadSpec, run_serve_bench
+    from server.bench_serve import LoadSpec, run_concurrency_sweep, run_serve_bench
 
+    if args.compare:
+        concurrencies = [int(c) for c in args.concurrencies.split(",") if c.strip()]
+        if not concurrencies or min(concurrencies) < 1:
+            raise ValueError("--concurrencies: comma-separated counts of at least 1")
+        run_concurrency_sweep(
+            args.model, args.config, args.compare, concurrencies, args.requests_per_stream,
+            args.max_tokens,
+        )  # fmt: skip
+        return 0
     spec = LoadSpec(args.concurrency, args.requests or args.concurrency, args.max_tokens)
     run_serve_bench(args.model, args.config, spec, with_baseline=not args.no_baseline, url=args.url)
     return 0
@@ -159,4 +168,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--max-tokens", type=int, default=64)
     serve.add_argument("--url", help="benchmark an already running specserve at this URL")
     serve.add_argument("--no-baseline", action="store_true", help="skip transformers serve")
+    serve.add_argument(
+        "--compare",
+        metavar="METHOD",
+        help="instead: one specserve server, and at each of --concurrencies the same load on "
+        "autoregressive decoding and on METHOD (chosen per request; --config must load it, "
+        "else --decoder METHOD is used)",
+    )
+    serve.add_argument("--concurrencies", default="1,4,8,16,32", help="with --compare")
+    serve.add_argument(
+        "--requests-per-stream", type=int, default=2, help="with --compare: requests = this x c"
+    )
     serve.set_defaults(func=_cmd_bench_serve)
