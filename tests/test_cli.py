@@ -97,6 +97,28 @@ def test_bench_serve_reports_percentiles(tiny_chat_model_dir, tmp_path):
     assert cells[4].count("/") == 2 and cells[5].count("/") == 2  # p50/p90/p99
 
 
+def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir):
+    result = subprocess.run(
+        [
+            *SPECSERVE, "bench", "serve", "--model", str(tiny_chat_model_dir),
+            "--compare", "ngram", "--concurrencies", "1,2", "--requests-per-stream", "1",
+            "--max-tokens", "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )  # fmt: skip
+    rows = [line for line in result.stdout.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        plain, spec, ratio = float(cells[1]), float(cells[2]), cells[3]
+        assert plain > 0 and spec > 0 and ratio.endswith("x")
+        assert abs(float(ratio[:-1]) - spec / plain) < 0.02  # from the unrounded rates
+        assert cells[4].count("/") == 1 and cells[5].count("/") == 1  # ITL p50 / p99
+
+
 def test_bench_offline_decoder_reports_speedup_identity_and_plot(tiny_chat_model_dir, tmp_path):
     plot = tmp_path / "decoders.png"
     result = subprocess.run(
