@@ -253,24 +253,30 @@ class Engine:
         # prefill chunk that stops short of the end does not.
         completing = [s.seq.num_uncomputed_tokens == s.num_new_tokens for s in scheduled]
         accepted_drafts: dict[Sequence, int] = {}
-        if self.speculator is None:
+        spec = self.speculator
+        if spec is None or spec.plain_step(scheduled, proposals):
+            # No drafts to verify and nothing to observe: the plain autoregressive step.
             items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
+            started = time.perf_counter()
             logits = self.runner.run(items)
+            if spec is not None:
+                spec.observe_forward(sum(s.num_new_tokens for s in scheduled),
+                                     time.perf_counter() - started)  # fmt: skip
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
         else:
-            items = self.speculator.forward_items(scheduled, completing, proposals)
+            items = spec.forward_items(scheduled, completing, proposals)
             hidden = None
             started = time.perf_counter()
-            if self.speculator.reads_target_hidden:
+            if spec.needs_target_hidden(scheduled):
                 out = self.runner.forward(
                     items, hidden_layer=self.model.arch.num_layers - 1, all_hidden=True
                 )
                 logits, hidden = out.logits, out.hidden_states
             else:
                 logits = self.runner.run(items)
-            self.speculator.observe_forward(
+            spec.observe_forward(
                 sum(len(item.token_ids) for item in items), time.perf_counter() - started
             )
             emitted, accepted_drafts = self.speculator.verify(

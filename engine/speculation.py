@@ -98,6 +98,19 @@ class Speculator:
         """Whether a loaded decoder drafts from the target's hidden states."""
         return any(d.reads_target_hidden for d in self.decoders.values())
 
+    def needs_target_hidden(self, scheduled: list[ScheduledSequence]) -> bool:
+        """Whether a sequence of this step drafts with a decoder that reads the target's
+        hidden states (they must see every step's, drafting or not)."""
+        return self.reads_target_hidden and any(
+            (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden
+            for s in scheduled
+        )
+
+    def plain_step(self, scheduled: list[ScheduledSequence], proposals: dict) -> bool:
+        """Whether this step can run as plain autoregressive decoding: no drafts to verify,
+        no hidden states to hand out, no target confidence to observe."""
+        return not proposals and not self.gate.enabled and not self.needs_target_hidden(scheduled)
+
     def decoder_of(self, seq: Sequence) -> Decoder | None:
         method = seq.speculative.method if seq.speculative is not None else self.default_method
         return self.decoders.get(method)

@@ -112,3 +112,28 @@ def test_its_choices_reach_prometheus_and_survive_an_engine_restart(tiny_model_d
     restarted = EngineStats(spec_draft_lengths=(("ngram", (1,)),))
     summed = _sum_counters(stats, restarted)["spec_draft_lengths"]
     assert summed == (("ngram", (counts[0] + 1, *counts[1:])),)
+
+
+def test_plain_and_verified_steps_mix_without_changing_seeded_output(tiny_model_dir):
+    # The policy's length-0 steps run as plain autoregressive steps (no drafts, no
+    # verification); seeded sampling must come out the same as without any decoder, whichever
+    # path each step took (prompt lookup's deterministic drafts follow the autoregressive
+    # draws; with 1-token n-grams it finds a match nearly every step).
+    prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14]]
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=48, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(prompts, params)]
+    decoder = {"method": "ngram", "prompt_lookup_min": 1, "draft_policy": "goodput",
+               "num_speculative_tokens": 3}  # fmt: skip
+    llm = LLM(model=str(tiny_model_dir), decoder=decoder)
+    spec = llm.engine.speculator
+    plain_steps = []
+    original = spec.plain_step
+
+    def counting(scheduled, proposals):
+        plain = original(scheduled, proposals)
+        plain_steps.append(plain)
+        return plain
+
+    spec.plain_step = counting
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(plain_steps) and not all(plain_steps)  # both kinds of step ran
