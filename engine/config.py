@@ -130,6 +130,10 @@ class DecoderConfig(_Strict):
     # the goodput policy's choice, 0 included, from measured step costs and acceptance
     # (engine/draft_policy.py).
     draft_policy: Literal["fixed", "goodput"] = "fixed"
+    # Also load the trained drafters that ship for the model (engine/drafters/), so that a
+    # request can pick medusa, hydra, eagle or kangaroo without training one first. Loaded
+    # but unused, they cost memory only: a step runs plain unless a sequence drafts.
+    load_shipped_drafters: bool = True
     # ngram: the longest and shortest suffix n-gram looked up in the prompt and output.
     prompt_lookup_max: int = Field(4, ge=1)
     prompt_lookup_min: int = Field(2, ge=1)

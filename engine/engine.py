@@ -10,6 +10,7 @@ import torch
 
 from engine.config import DecoderConfig, EngineConfig
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
+from engine.decoders.drafter_files import TRAINED_DECODERS, find_shipped_drafter
 from engine.decoders.gate import TargetConfidenceGate
 from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
@@ -102,9 +103,12 @@ class Engine:
         target = TargetContext(
             self.model, self.kv_cache, self.config.device, self.eos_token_ids, self.max_model_len
         )
+        names = list(config.methods)
+        if config.load_shipped_drafters:
+            names += [kind for kind in TRAINED_DECODERS if find_shipped_drafter(kind, self.model)]
         drafting = {
             name: build_decoder(name, config, target)
-            for name in config.methods
+            for name in dict.fromkeys(names)
             if name != "autoregressive"
         }
         if not drafting:

@@ -26,7 +26,7 @@ def _training_llm(args: argparse.Namespace):
     from engine.llm import LLM
 
     config = engine_config_from_args(args).with_overrides(
-        decoder={"method": "autoregressive", "extra_methods": []},
+        decoder={"method": "autoregressive", "extra_methods": [], "load_shipped_drafters": False},
         scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
     )
     return LLM(config=config)

@@ -25,3 +25,25 @@ def test_shipped_drafter_is_accepted_and_lossless_on_smollm2(smollm2_path, smoll
     stats = llm.engine.speculator.stats_by_decoder[kind]
     # A trained drafter's first draft is right far more often than chance (1 in 49152).
     assert stats.num_drafts > 0 and stats.accepted_per_position[0] / stats.num_drafts > 0.1
+
+
+def test_the_default_engine_loads_them_and_plain_requests_stay_plain(smollm2_llm):
+    engine = smollm2_llm.engine  # the default config
+    assert {"medusa", "hydra", "eagle", "kangaroo"} <= set(engine.loaded_decoders)
+    spec = engine.speculator
+    plain_steps = []
+    original = spec.plain_step
+
+    def counting(scheduled, proposals):
+        plain_steps.append(original(scheduled, proposals))
+        return plain_steps[-1]
+
+    spec.plain_step = counting
+    try:
+        plain = smollm2_llm.chat(CHATS[:1], GREEDY)[0].token_ids
+        # Loaded but unused, the drafters cost nothing per step.
+        assert plain_steps and all(plain_steps)
+        picked = smollm2_llm.chat(CHATS[:1], GREEDY, SpeculativeOptions("eagle"))[0].token_ids
+    finally:
+        spec.plain_step = original
+    assert picked == plain and not all(plain_steps)

@@ -438,8 +438,10 @@ def run_decoder_bench(config: EngineConfig, options: DecoderBenchOptions) -> dic
     timer = StepTimer(engine)
     speculators = {"autoregressive": None}
     for name, decoder in configs.items():
-        # The engine's own construction: the variant is exactly what its config loads.
-        speculators[name] = engine.build_speculator(decoder)
+        # The engine's own construction: the variant is exactly what its config loads (and
+        # not the shipped drafters besides).
+        only = decoder.model_copy(update={"load_shipped_drafters": False})
+        speculators[name] = engine.build_speculator(only)
         timer.watch(speculators[name])
     hf = hf_methods(llm.model_dir, k, num_layers) if options.with_hf else None
     print_header(llm, options, configs, len(context), forward_s)

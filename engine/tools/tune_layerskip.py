@@ -198,6 +198,7 @@ class LayerSkipTuner:
         speculators: dict = {"autoregressive": None}
         for i, skip_set in enumerate(skip_sets):
             fields = {**self.decoder.model_dump(), **skip_set.decoder_overrides()}
+            fields["load_shipped_drafters"] = False  # each speculator loads its draft alone
             spec = self.engine.build_speculator(DecoderConfig.model_validate(fields))
             self.timer.watch(spec)
             speculators[i] = spec
