@@ -8,17 +8,31 @@ from pathlib import Path
 from server.cli_generate import add_model_arguments, engine_config_from_args
 
 
-def _prompts(args: argparse.Namespace) -> tuple[list, list] | None:
-    """--prompts as (training, held-out), or None for the built-in prompts."""
+def _common_options(args: argparse.Namespace) -> dict:
+    """The options every drafter kind takes, checked; --prompts as (training, held-out), or
+    None for the built-in prompts."""
     if min(args.num_prompts, args.held_out, args.max_tokens, args.epochs) < 1:
         raise ValueError("--num-prompts, --held-out, --max-tokens, --epochs must be >= 1")
-    if not args.prompts:
-        return None
-    lines = [line.strip() for line in Path(args.prompts).read_text().splitlines()]
-    lines = [line for line in lines if line]
-    if len(lines) <= args.held_out:
-        raise ValueError(f"{args.prompts}: {len(lines)} prompts, need more than --held-out")
-    return lines[: -args.held_out], lines[-args.held_out :]
+    prompts = None
+    if args.prompts:
+        lines = [line.strip() for line in Path(args.prompts).read_text().splitlines()]
+        lines = [line for line in lines if line]
+        if len(lines) <= args.held_out:
+            raise ValueError(f"{args.prompts}: {len(lines)} prompts, need more than --held-out")
+        prompts = (lines[: -args.held_out], lines[-args.held_out :])
+    return {
+        "output": Path(args.output),
+        "num_prompts": args.num_prompts,
+        "num_held_out": args.held_out,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "draft_vocab_size": args.draft_vocab,
+        "epochs": args.epochs,
+        "learning_rate": args.learning_rate,
+        "seed": args.seed,
+        "resume": args.resume,
+        "prompts": prompts,
+    }
 
 
 def _training_llm(args: argparse.Namespace):
@@ -35,45 +49,17 @@ def _training_llm(args: argparse.Namespace):
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
     from engine.training.train_eagle import EagleTrainOptions, run_train_eagle
 
-    prompts = _prompts(args)
+    common = _common_options(args)
     if args.depth < 1:
         raise ValueError("--depth must be >= 1")
-    options = EagleTrainOptions(
-        output=Path(args.output),
-        num_prompts=args.num_prompts,
-        num_held_out=args.held_out,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        depth=args.depth,
-        draft_vocab_size=args.draft_vocab,
-        epochs=args.epochs,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-        resume=args.resume,
-        prompts=prompts,
-    )
-    run_train_eagle(_training_llm(args), options)
+    run_train_eagle(_training_llm(args), EagleTrainOptions(depth=args.depth, **common))
     return 0
 
 
 def _cmd_train_kangaroo(args: argparse.Namespace) -> int:
     from engine.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
 
-    prompts = _prompts(args)
-    options = KangarooTrainOptions(
-        output=Path(args.output),
-        num_prompts=args.num_prompts,
-        num_held_out=args.held_out,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        exit_layer=args.exit_layer,
-        draft_vocab_size=args.draft_vocab,
-        epochs=args.epochs,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-        resume=args.resume,
-        prompts=prompts,
-    )
+    options = KangarooTrainOptions(exit_layer=args.exit_layer, **_common_options(args))
     run_train_kangaroo(_training_llm(args), options)
     return 0
 
@@ -81,24 +67,10 @@ def _cmd_train_kangaroo(args: argparse.Namespace) -> int:
 def _cmd_train_heads(args: argparse.Namespace) -> int:
     from engine.training.train_heads import HeadsTrainOptions, run_train_heads
 
-    prompts = _prompts(args)
+    common = _common_options(args)
     if args.heads < 1:
         raise ValueError("--heads must be >= 1")
-    options = HeadsTrainOptions(
-        kind=args.train,
-        output=Path(args.output),
-        num_prompts=args.num_prompts,
-        num_held_out=args.held_out,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        num_heads=args.heads,
-        draft_vocab_size=args.draft_vocab,
-        epochs=args.epochs,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-        resume=args.resume,
-        prompts=prompts,
-    )
+    options = HeadsTrainOptions(kind=args.train, num_heads=args.heads, **common)
     run_train_heads(_training_llm(args), options)
     return 0
 

@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
+from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_eagle_drafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -87,30 +88,11 @@ def test_entries_read_the_target_features_once_verified(tiny_model_dir, drafter_
 
 
 def test_greedy_equals_autoregressive_batched_preempted_and_aborted(tiny_model_dir, drafter_dir):
-    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(PROMPTS, GREEDY)]
-    roomy = eagle_llm(tiny_model_dir, drafter_dir)
-    assert [roomy.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
-    assert [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)] == expected
-    assert roomy.engine.speculator.stats.num_drafts > 0
-    small = eagle_llm(
+    check_greedy_identity_batched_preempted_aborted(
         tiny_model_dir,
-        drafter_dir,
-        kv_cache={"num_blocks": 10},
-        scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
+        lambda **overrides: eagle_llm(tiny_model_dir, drafter_dir, **overrides),
+        require_accepted=False,
     )
-    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
-    assert small.engine.scheduler.num_preemptions > 0
-    engine = small.engine
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True, n=2))
-    for _ in range(5):
-        engine.step()
-    engine.abort("a1")
-    engine.abort("a2")
-    while engine.has_unfinished_requests():
-        engine.step()
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(tiny_model_dir, tmp_path):

@@ -14,6 +14,7 @@ from engine.decoders.kangaroo import KangarooAdapter
 from engine.model_runner import ForwardItem
 from engine.training.self_distillation import sequence_features
 from engine.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
+from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_kangaroo_drafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -48,31 +49,9 @@ def test_draft_model_equals_the_adapters_training_form(tiny_model_dir, drafter_d
 
 
 def test_greedy_equals_autoregressive_batched_preempted_and_aborted(tiny_model_dir, drafter_dir):
-    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(PROMPTS, GREEDY)]
-    roomy = kangaroo_llm(tiny_model_dir, drafter_dir)
-    assert [roomy.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
-    assert [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)] == expected
-    stats = roomy.engine.speculator.stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    small = kangaroo_llm(
-        tiny_model_dir,
-        drafter_dir,
-        kv_cache={"num_blocks": 10},
-        scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
+    check_greedy_identity_batched_preempted_aborted(
+        tiny_model_dir, lambda **overrides: kangaroo_llm(tiny_model_dir, drafter_dir, **overrides)
     )
-    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
-    assert small.engine.scheduler.num_preemptions > 0
-    engine = small.engine
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True, n=2))
-    for _ in range(5):
-        engine.step()
-    engine.abort("a1")
-    engine.abort("a2")
-    while engine.has_unfinished_requests():
-        engine.step()
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_second_early_exit_stops_doubtful_chains(tiny_model_dir, drafter_dir):

@@ -15,6 +15,7 @@ from engine.decoders.trained_heads import rank_tree
 from engine.models.llama import rms_norm
 from engine.training.self_distillation import Answers, answer_features
 from engine.training.train_heads import HEADS, HeadsTrainOptions, run_train_heads
+from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_heads_drafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -90,32 +91,10 @@ def test_the_decoder_reads_the_hidden_state_of_each_sequences_newest_token(
 def test_greedy_equals_autoregressive_batched_preempted_and_aborted(
     kind, tiny_model_dir, drafter_dir
 ):
-    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(PROMPTS, GREEDY)]
-    roomy = trained_llm(kind, tiny_model_dir, drafter_dir)
-    assert [roomy.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
-    assert [o.token_ids for o in roomy.generate(PROMPTS, GREEDY)] == expected
-    stats = roomy.engine.speculator.stats
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
-    small = trained_llm(
-        kind,
-        tiny_model_dir,
-        drafter_dir,
-        kv_cache={"num_blocks": 10},
-        scheduler={"max_num_batched_tokens": 16, "max_model_len": 160},
-    )
-    assert [o.token_ids for o in small.generate(PROMPTS, GREEDY)] == expected
-    assert small.engine.scheduler.num_preemptions > 0
-    engine = small.engine
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=40, ignore_eos=True, n=2))
-    for _ in range(5):
-        engine.step()
-    engine.abort("a1")
-    engine.abort("a2")
-    while engine.has_unfinished_requests():
-        engine.step()
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
+    def make(**overrides):
+        return trained_llm(kind, tiny_model_dir, drafter_dir, **overrides)
+
+    check_greedy_identity_batched_preempted_aborted(tiny_model_dir, make)
 
 
 def test_hydra_heads_read_the_path_they_extend(tiny_model_dir, tmp_path):

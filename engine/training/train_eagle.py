@@ -18,15 +18,15 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from engine.decoders.drafter_files import TrainedDrafter, target_signature
+from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.eagle import EagleNetwork
+from engine.training.epochs import TrainingRun, train_epochs, write_drafter
 from engine.training.prompts import train_and_held_out
 from engine.training.self_distillation import (
     FeatureSplit,
@@ -34,11 +34,9 @@ from engine.training.self_distillation import (
     cached_answers,
     cached_features,
     padded,
-    progress_bar,
 )
 from engine.training.train_heads import draft_vocabulary
 
-CHECKPOINT_FILE = "checkpoint.pt"
 # EAGLE's weights: regression 1, classification 0.1; deeper depths count less (EAGLE-3).
 CLASSIFICATION_WEIGHT, DEPTH_DECAY = 0.1, 0.8
 
@@ -175,7 +173,7 @@ def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, v
 def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     from engine.models.draft_copies import dense_weight
 
-    started = time.monotonic()
+    run = TrainingRun()
     torch.manual_seed(options.seed)
     model = llm.engine.model
     arch = model.arch
@@ -197,43 +195,16 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         arch.intermediate_size, arch.rms_norm_eps,
     )  # fmt: skip
     optimizer = torch.optim.AdamW(network.parameters(), lr=options.learning_rate)
-    first_epoch = 0
-    checkpoint = options.output / CHECKPOINT_FILE
-    if options.resume and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        network.load_state_dict(state["network"])
-        optimizer.load_state_dict(state["optimizer"])
-        first_epoch = state["epoch"]
-        print(f"resumed after epoch {first_epoch}")
-    steps = (len(train.sequences) + options.batch_size - 1) // options.batch_size
-    epoch_losses = []
-    for epoch in range(first_epoch, options.epochs):
-        order = torch.randperm(
-            len(train.sequences), generator=torch.Generator().manual_seed(epoch)
-        ).tolist()
-        total = 0.0
-        with progress_bar(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
-            for step in range(steps):
-                index = order[step * options.batch_size : (step + 1) * options.batch_size]
-                embeddings, features, _, answer = _batch(train, index, model.embed)
-                outputs = unrolled_outputs(
-                    network, rope_of(features.shape[:2]), embeddings, features,
-                    options.depth, options.feature_noise,
-                )  # fmt: skip
-                loss = sum(_losses(outputs, features, readout, answer))
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(network.parameters(), 1.0)
-                optimizer.step()
-                total += loss.item()
-                bar.update()
-                bar.set_postfix(loss=f"{total / (step + 1):.3f}")
-        epoch_losses.append(round(total / steps, 4))
-        torch.save(
-            {"network": network.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": epoch + 1},
-            checkpoint,
+
+    def loss_of(index: list[int]) -> torch.Tensor:
+        embeddings, features, _, answer = _batch(train, index, model.embed)
+        outputs = unrolled_outputs(
+            network, rope_of(features.shape[:2]), embeddings, features, options.depth,
+            options.feature_noise,
         )  # fmt: skip
+        return sum(_losses(outputs, features, readout, answer))
+
+    train_epochs(network, optimizer, options, len(train.sequences), loss_of, 1.0, run)
     accuracies = held_out_accuracies(
         network, rope_of, splits["held_out"], model.embed, readout, vocab, arch.vocab_size,
         options.depth, options.top_k,
@@ -244,23 +215,6 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         expected += chain
         print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
               + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
-    drafter = TrainedDrafter(
-        "eagle",
-        network,
-        vocab,
-        accuracies,
-        target_signature(model),
-        {
-            "command": "specserve train eagle",
-            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
-            "data": "answers of the target itself to specserve's own prompts "
-            "(engine/training/prompts.py)",
-            "training_answer_tokens": int(len(labels)),
-            "resumed_after_epoch": first_epoch,
-            "epoch_losses": epoch_losses,
-            "minutes": round((time.monotonic() - started) / 60, 1),
-        },
+    return write_drafter(
+        "eagle", network, vocab, accuracies, model, options, int(len(labels)), run
     )
-    drafter.save(options.output)
-    print(f"drafter written to {options.output} ({(time.monotonic() - started) / 60:.1f} min)")
-    return drafter

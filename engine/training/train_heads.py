@@ -14,21 +14,21 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from engine.decoders.drafter_files import TrainedDrafter, target_signature
+from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.hydra import HydraHeads
 from engine.decoders.medusa import MedusaHeads
 from engine.decoders.trained_heads import rank_tree
+from engine.training.epochs import TrainingRun, train_epochs, write_drafter
 from engine.training.prompts import train_and_held_out
 from engine.training.self_distillation import answer_features, cached_answers, progress_bar
 
-DATA_FILE, CHECKPOINT_FILE = "data.pt", "checkpoint.pt"
+DATA_FILE = "data.pt"
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 
 
@@ -139,7 +139,7 @@ def top_accuracies(heads, readout, embed, features, inputs, targets, top_k: int,
 def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
     from engine.models.draft_copies import dense_weight
 
-    started = time.monotonic()
+    run = TrainingRun()
     torch.manual_seed(options.seed)
     model = llm.engine.model
     data = _data(llm, options)
@@ -161,37 +161,14 @@ def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
 
     heads = HEADS[options.kind](options.num_heads, model.arch.hidden_size)
     optimizer = torch.optim.Adam(heads.parameters(), lr=options.learning_rate)
-    first_epoch = 0
-    checkpoint = options.output / CHECKPOINT_FILE
-    if options.resume and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        heads.load_state_dict(state["heads"])
-        optimizer.load_state_dict(state["optimizer"])
-        first_epoch = state["epoch"]
-        print(f"resumed after epoch {first_epoch}")
-    epoch_losses = []
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
-    steps = (len(features) + options.batch_size - 1) // options.batch_size
-    for epoch in range(first_epoch, options.epochs):
-        order = torch.randperm(len(features), generator=torch.Generator().manual_seed(epoch))
-        total = 0.0
-        with progress_bar(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
-            for step in range(steps):
-                rows = order[step * options.batch_size : (step + 1) * options.batch_size]
-                logits = _logits(heads, readout, embed, features[rows], train_inputs[rows])
-                targets = train_targets[rows].T  # [heads, B]
-                loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                total += loss.item()
-                bar.update()
-                bar.set_postfix(loss=f"{total / (step + 1):.3f}")
-        epoch_losses.append(round(total / steps, 4))
-        torch.save(
-            {"heads": heads.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch + 1},
-            checkpoint,
-        )
+
+    def loss_of(rows: list[int]) -> torch.Tensor:
+        logits = _logits(heads, readout, embed, features[rows], train_inputs[rows])
+        targets = train_targets[rows].T  # [heads, B]
+        return loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    train_epochs(heads, optimizer, options, len(features), loss_of, run=run)
     accuracies = top_accuracies(
         heads, readout, embed, data["held_out"]["features"], held_inputs, held_for_accuracy,
         options.top_k,
@@ -203,26 +180,9 @@ def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
         tree = rank_tree(accuracies, n)
         expected = sum(_path_value(accuracies, path) for path in tree)
         print(f"expected accepted drafts per step, tree of {n} nodes: {expected:.2f}")
-    drafter = TrainedDrafter(
-        options.kind,
-        heads,
-        vocab,
-        accuracies,
-        target_signature(model),
-        {
-            "command": f"specserve train {options.kind}",
-            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
-            "data": "answers of the target itself to specserve's own prompts "
-            "(engine/training/prompts.py)",
-            "training_answer_tokens": int(len(features)),
-            "resumed_after_epoch": first_epoch,
-            "epoch_losses": epoch_losses,
-            "minutes": round((time.monotonic() - started) / 60, 1),
-        },
+    return write_drafter(
+        options.kind, heads, vocab, accuracies, model, options, int(len(features)), run
     )
-    drafter.save(options.output)
-    print(f"drafter written to {options.output} ({(time.monotonic() - started) / 60:.1f} min)")
-    return drafter
 
 
 def _path_value(accuracies, path) -> float:

@@ -13,14 +13,14 @@
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.decoders.drafter_files import TrainedDrafter, target_signature
+from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
+from engine.training.epochs import TrainingRun, train_epochs, write_drafter
 from engine.training.prompts import train_and_held_out
 from engine.training.self_distillation import (
     answer_mask,
@@ -31,8 +31,6 @@ from engine.training.self_distillation import (
     sequence_features,
 )
 from engine.training.train_heads import draft_vocabulary
-
-CHECKPOINT_FILE = "checkpoint.pt"
 
 
 @dataclass
@@ -85,7 +83,7 @@ def _held_out_accuracy(adapter, model, readout, vocab, split, shallow, top_k) ->
 def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
     from engine.models.draft_copies import dense_weight
 
-    started = time.monotonic()
+    run = TrainingRun()
     torch.manual_seed(options.seed)
     model = llm.engine.model
     arch = model.arch
@@ -115,62 +113,18 @@ def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
     with torch.no_grad():  # start as a plain early exit through the target's final norm
         adapter.output_norm.copy_(model.final_norm.float())
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.learning_rate)
-    first_epoch = 0
-    checkpoint = options.output / CHECKPOINT_FILE
-    if options.resume and checkpoint.is_file():
-        state = torch.load(checkpoint, weights_only=False)
-        adapter.load_state_dict(state["network"])
-        optimizer.load_state_dict(state["optimizer"])
-        first_epoch = state["epoch"]
-        print(f"resumed after epoch {first_epoch}")
-    steps = (len(train.sequences) + options.batch_size - 1) // options.batch_size
-    epoch_losses = []
-    for epoch in range(first_epoch, options.epochs):
-        order = torch.randperm(
-            len(train.sequences), generator=torch.Generator().manual_seed(epoch)
-        ).tolist()
-        total = 0.0
-        with progress_bar(steps, f"epoch {epoch + 1}/{options.epochs}") as bar:
-            for step in range(steps):
-                index = order[step * options.batch_size : (step + 1) * options.batch_size]
-                logits, teacher, mask = _logits_and_teacher(
-                    adapter, model, readout, train, shallow["train"], index
-                )
-                log_q = torch.log_softmax(logits[mask], dim=-1)
-                loss = -(teacher[mask] * log_q).sum(-1).mean()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                total += loss.item()
-                bar.update()
-                bar.set_postfix(loss=f"{total / (step + 1):.3f}")
-        epoch_losses.append(round(total / steps, 4))
-        torch.save(
-            {"network": adapter.state_dict(), "optimizer": optimizer.state_dict(),
-             "epoch": epoch + 1},
-            checkpoint,
-        )  # fmt: skip
+
+    def loss_of(index: list[int]) -> torch.Tensor:
+        logits, teacher, mask = _logits_and_teacher(
+            adapter, model, readout, train, shallow["train"], index
+        )
+        return -(teacher[mask] * torch.log_softmax(logits[mask], dim=-1)).sum(-1).mean()
+
+    train_epochs(adapter, optimizer, options, len(train.sequences), loss_of, run=run)
     accuracy = _held_out_accuracy(
         adapter, model, readout, vocab, splits["held_out"], shallow["held_out"], options.top_k
     )
     print("held-out: top-i accuracy " + ", ".join(f"{a:.1%}" for a in accuracy))
-    drafter = TrainedDrafter(
-        "kangaroo",
-        adapter,
-        vocab,
-        [accuracy],
-        target_signature(model),
-        {
-            "command": "specserve train kangaroo",
-            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
-            "data": "answers of the target itself to specserve's own prompts "
-            "(engine/training/prompts.py)",
-            "training_answer_tokens": int(len(labels)),
-            "resumed_after_epoch": first_epoch,
-            "epoch_losses": epoch_losses,
-            "minutes": round((time.monotonic() - started) / 60, 1),
-        },
+    return write_drafter(
+        "kangaroo", adapter, vocab, [accuracy], model, options, int(len(labels)), run
     )
-    drafter.save(options.output)
-    print(f"drafter written to {options.output} ({(time.monotonic() - started) / 60:.1f} min)")
-    return drafter
