@@ -29,13 +29,28 @@ def dense_reference(q, k, v, num_cached):
 def test_mixed_batch_matches_dense_attention(cpu_kernel, D):
     if cpu_kernel and not load_kernels():
         pytest.skip("no C++ kernels on this machine")
-    g = torch.Generator().manual_seed(0)
     # (cached, new): decode, short verify run, fresh prefill, long chunk over a cached prefix.
-    shapes = [(9, 1), (5, 4), (0, 11), (6, 40), (0, 1)]
-    num_blocks = 64
-    k_cache = torch.zeros(num_blocks * BS, KVH, D)
-    v_cache = torch.zeros(num_blocks * BS, KVH, D)
-    free = torch.randperm(num_blocks, generator=g).tolist()
+    check_mixed_batch([(9, 1), (5, 4), (0, 11), (6, 40), (0, 1)], D, cpu_kernel, fill=0.0)
+
+
+# The kernel scores sixteen keys at a time: decode and verify runs over caches of 16n - 1, 16n,
+# 16n + 1 and a hundred keys. Slots no sequence wrote hold NaN: the padding of shorter
+# sequences' key lists must never be read (NaN times a zero weight is still NaN).
+@pytest.mark.parametrize("D", [48, 64, 128])
+def test_kernel_over_long_caches_never_reads_unwritten_slots(D):
+    if not load_kernels():
+        pytest.skip("no C++ kernels on this machine")
+    shapes = [(31, 1), (32, 1), (33, 3), (100, 1), (97, 5), (3, 1)]
+    check_mixed_batch(shapes, D, cpu_kernel=True, fill=float("nan"))
+
+
+def check_mixed_batch(shapes, D, cpu_kernel, fill):
+    g = torch.Generator().manual_seed(0)
+    num_blocks = 96
+    k_cache = torch.full((num_blocks * BS, KVH, D), fill)
+    v_cache = torch.full((num_blocks * BS, KVH, D), fill)
+    # Block 0 stays unused: padded key lists point at slot 0, which then holds `fill`.
+    free = [b for b in torch.randperm(num_blocks, generator=g).tolist() if b != 0]
     slices, full_k, full_v, queries = [], [], [], []
     for cached, new in shapes:
         total = cached + new

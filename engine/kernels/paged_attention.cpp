@@ -46,28 +46,144 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// out[0 .. 16 * N) = sum over visible keys l of p[l] * v[l], the sum held in registers.
+// Cache rows are scattered over the cache's slots, so the hardware prefetcher does not see them
+// coming: ask for a row a few keys ahead (a hint; it never faults, whatever the address).
 template <int N>
+__attribute__((always_inline)) inline void prefetch_row(const float* row) {
+  for (int c = 0; c < N; ++c) __builtin_prefetch(row + 16 * c);
+}
+
+// Lane i of the result = the sum of v[i]'s 16 lanes: sixteen dot products finished together
+// by halving pairs (30 two-source shuffles and 15 adds), instead of folding each on its own.
+__attribute__((always_inline)) inline Lanes16 sum_each(Lanes16 v[16]) {
+  Lanes16 u[8], w[4], x[2];
+  for (int k = 0; k < 8; ++k)  // lanes 0-7 fold v[2k], lanes 8-15 fold v[2k+1]
+    u[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18,
+                                   19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // each run of 4 lanes folds one of v[4k .. 4k+3]
+    w[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(u[2 * k], u[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21,
+                                   22, 23, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // each pair of lanes folds one of v[8k .. 8k+7]
+    x[k] = __builtin_shufflevector(w[2 * k], w[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(w[2 * k], w[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19,
+                                   22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(x[0], x[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                 28, 30) +
+         __builtin_shufflevector(x[0], x[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                 29, 31);
+}
+
+// scores[h L + l] = scale * q[h] . k[l] for the group's query heads h and keys l (D = 16 N),
+// sixteen keys at a time, every head before the next sixteen keys, so each key row comes from
+// memory once. A key the mask hides scores -inf and is never read (its slot may hold anything).
+template <int N>
+__attribute__((always_inline)) inline void score_keys(const float* q, int64_t group,
+                                                      const float* k_cache, const int64_t* slots,
+                                                      const bool* visible, int64_t kv_heads,
+                                                      int64_t kvh, int64_t L, float scale,
+                                                      float* scores) {
+  for (int64_t l0 = 0; l0 < L; l0 += 16) {
+    const int64_t n = std::min<int64_t>(16, L - l0);
+    for (int64_t i = l0 + 16; i < std::min<int64_t>(L, l0 + 32); ++i)
+      prefetch_row<N>(k_cache + (slots[i] * kv_heads + kvh) * 16 * N);
+    for (int64_t h = 0; h < group; ++h) {
+      Lanes16 qv[N];
+      for (int c = 0; c < N; ++c) std::memcpy(&qv[c], q + h * 16 * N + 16 * c, sizeof qv[c]);
+      Lanes16 part[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        part[i] = Lanes16{};
+        if (i >= n || (visible && !visible[l0 + i])) continue;
+        const float* kr = k_cache + (slots[l0 + i] * kv_heads + kvh) * 16 * N;
+        for (int c = 0; c < N; ++c) {
+          Lanes16 k;
+          std::memcpy(&k, kr + 16 * c, sizeof k);
+          part[i] += qv[c] * k;
+        }
+      }
+      const Lanes16 s = sum_each(part) * scale;
+      for (int64_t i = 0; i < n; ++i)
+        scores[h * L + l0 + i] =
+            visible && !visible[l0 + i] ? -std::numeric_limits<float>::infinity() : s[i];
+    }
+  }
+}
+
+// p[0 .. L) = softmax(p) in place; exactly 0 where p was -inf.
+__attribute__((always_inline)) inline void softmax_in_place(float* p, int64_t L) {
+  // Reductions in explicit lanes: a plain float loop's max and sum stay scalar (their order
+  // is fixed without -ffast-math), and the exp loop with them.
+  Lanes16 top;
+  for (int i = 0; i < 16; ++i) top[i] = -std::numeric_limits<float>::infinity();
+  int64_t l = 0;
+  for (; l + 16 <= L; l += 16) {
+    Lanes16 s;
+    std::memcpy(&s, p + l, sizeof s);
+    top = top > s ? top : s;
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < 16; ++i) best = std::max(best, top[i]);
+  for (; l < L; ++l) best = std::max(best, p[l]);
+  for (l = 0; l < L; ++l) p[l] = specserve_kernels::vector_exp(p[l] - best);
+  Lanes16 sum = {};
+  for (l = 0; l + 16 <= L; l += 16) {
+    Lanes16 s;
+    std::memcpy(&s, p + l, sizeof s);
+    sum += s;
+  }
+  float total = 0.f;
+  for (int i = 0; i < 16; ++i) total += sum[i];
+  for (; l < L; ++l) total += p[l];
+  const float inv = 1.f / total;
+  for (l = 0; l < L; ++l) p[l] *= inv;
+}
+
+// out[h] = sum over visible keys l of p[h][l] * v[l] for G heads at once (D = 16 N), the sums
+// held in registers; each value row is read once for all G heads.
+template <int N, int G>
 __attribute__((always_inline)) inline void weigh_values(const float* p, const float* v_cache,
                                                         const int64_t* slots, const bool* visible,
                                                         int64_t kv_heads, int64_t kvh, int64_t L,
                                                         float* out) {
-  Lanes16 acc[N] = {};
+  Lanes16 acc[G][N] = {};
   for (int64_t l = 0; l < L; ++l) {
+    if (l + 16 < L) prefetch_row<N>(v_cache + (slots[l + 16] * kv_heads + kvh) * 16 * N);
     if (visible && !visible[l]) continue;  // never read: its slot may hold anything
     const float* vr = v_cache + (slots[l] * kv_heads + kvh) * 16 * N;
     for (int i = 0; i < N; ++i) {
+      // One vector at a time, never the array's address: GCC then keeps the sums in registers
+      // (with a memcpy of the whole array it kept them on the stack, one store per FMA).
       Lanes16 v;
       std::memcpy(&v, vr + 16 * i, sizeof v);
-      acc[i] += p[l] * v;
+      for (int h = 0; h < G; ++h) acc[h][i] += p[h * L + l] * v;
     }
   }
-  std::memcpy(out, acc, sizeof acc);
+  for (int h = 0; h < G; ++h)
+    for (int i = 0; i < N; ++i) {
+      const Lanes16 a = acc[h][i];
+      std::memcpy(out + h * 16 * N + 16 * i, &a, sizeof a);
+    }
+}
+
+// Value sums for `group` heads, G of them per pass (G N registers of sums).
+template <int N, int G>
+__attribute__((always_inline)) inline void weigh_values_grouped(const float* p, const float* v_cache, const int64_t* slots,
+                                 const bool* visible, int64_t kv_heads, int64_t kvh, int64_t L,
+                                 int64_t group, float* out) {
+  int64_t h = 0;
+  for (; h + G <= group; h += G)
+    weigh_values<N, G>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * 16 * N);
+  for (; h < group; ++h)
+    weigh_values<N, 1>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * 16 * N);
 }
 
 // One sequence (group member) and one KV head: every query row of the member, for every query
-// head sharing that KV head, attends to its visible keys. Each key and value row is read once
-// for all those heads. Cloned for AVX-512, AVX2 and baseline; the loader picks at run time.
+// head sharing that KV head, attends to its visible keys. Cloned for AVX-512, AVX2 and
+// baseline; the loader picks at run time. Head sizes of 64 and 128 take the vector paths.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void attend_member_kv_head(const float* q, const float* k_cache, const float* v_cache,
                            const int64_t* rows, const int64_t* slots, const bool* mask,
@@ -79,33 +195,28 @@ void attend_member_kv_head(const float* q, const float* k_cache, const float* v_
     const bool* visible = mask ? mask + j * L : nullptr;
     const float* qr = q + (rows[j] * g.heads + kvh * group) * D;  // the group's heads, adjacent
     float* o = out + (rows[j] * g.heads + kvh * group) * D;
-    for (int64_t l = 0; l < L; ++l) {
-      const float* kr = k_cache + (slots[l] * g.kv_heads + kvh) * D;
+    if (D == 64) {
+      score_keys<4>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
+    } else if (D == 128) {
+      score_keys<8>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
+    } else {
       for (int64_t h = 0; h < group; ++h)
-        scores[h * L + l] = visible && !visible[l] ? -std::numeric_limits<float>::infinity()
-                                                   : dot(qr + h * D, kr, D) * scale;
+        for (int64_t l = 0; l < L; ++l) {
+          const float* kr = k_cache + (slots[l] * g.kv_heads + kvh) * D;
+          scores[h * L + l] = visible && !visible[l] ? -std::numeric_limits<float>::infinity()
+                                                     : dot(qr + h * D, kr, D) * scale;
+        }
     }
-    for (int64_t h = 0; h < group; ++h) {
-      float* s = scores + h * L;
-      float best = -std::numeric_limits<float>::infinity();
-      for (int64_t l = 0; l < L; ++l) best = std::max(best, s[l]);
-      float total = 0.f;
-      for (int64_t l = 0; l < L; ++l) {
-        s[l] = specserve_kernels::vector_exp(s[l] - best);  // exactly 0 for a masked key
-        total += s[l];
-      }
-      const float inv = 1.f / total;
-      for (int64_t l = 0; l < L; ++l) s[l] *= inv;
-      std::fill(o + h * D, o + (h + 1) * D, 0.f);
-    }
-    for (int64_t h = 0; h < group; ++h) {
-      const float* p = scores + h * L;
-      float* oh = o + h * D;
-      if (D == 64) {
-        weigh_values<4>(p, v_cache, slots, visible, g.kv_heads, kvh, L, oh);
-      } else if (D == 128) {
-        weigh_values<8>(p, v_cache, slots, visible, g.kv_heads, kvh, L, oh);
-      } else {
+    for (int64_t h = 0; h < group; ++h) softmax_in_place(scores + h * L, L);
+    if (D == 64) {
+      weigh_values_grouped<4, 4>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
+    } else if (D == 128) {
+      weigh_values_grouped<8, 2>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
+    } else {
+      std::fill(o, o + group * D, 0.f);
+      for (int64_t h = 0; h < group; ++h) {
+        const float* p = scores + h * L;
+        float* oh = o + h * D;
         for (int64_t l = 0; l < L; ++l) {
           if (visible && !visible[l]) continue;  // never read: its slot may hold anything
           const float* vr = v_cache + (slots[l] * g.kv_heads + kvh) * D;
