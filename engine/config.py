@@ -126,10 +126,10 @@ class DecoderConfig(_Strict):
     extra_methods: list[DecoderName] = Field(default_factory=list)
     # Draft tokens per step (k): the most a drafting decoder proposes for one sequence.
     num_speculative_tokens: int = Field(4, ge=1, le=16)
-    # How many of those k to draft each step: always k (capped by windows and the gate), or
-    # the goodput policy's choice, 0 included, from measured step costs and acceptance
-    # (engine/draft_policy.py).
-    draft_policy: Literal["fixed", "goodput"] = "fixed"
+    # How many of those k to draft each step: the goodput policy's choice, 0 included, from
+    # measured step costs and acceptance (engine/draft_policy.py), or "fixed": always k
+    # (capped by windows and the gate, as the policy is).
+    draft_policy: Literal["fixed", "goodput"] = "goodput"
     # Also load the trained drafters that ship for the model (engine/drafters/), so that a
     # request can pick medusa, hydra, eagle or kangaroo without training one first. Loaded
     # but unused, they cost memory only: a step runs plain unless a sequence drafts.

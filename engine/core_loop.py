@@ -42,6 +42,7 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
     try:
         parent = multiprocessing.parent_process()
         engine, model_dir = create_engine(config, (parent.pid,) if parent else ())
+        engine.calibrate_step_costs()
     except Exception as e:
         traceback.print_exc()
         _send_quietly(conn, EngineStartFailed(f"{type(e).__name__}: {e}"))

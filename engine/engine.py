@@ -21,6 +21,7 @@ from engine.sampling import SampledToken, Sampler, SamplingParams, make_generato
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculation import Speculator
+from engine.step_costs import time_forward_steps
 from engine.thread_governor import ThreadGovernor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -122,8 +123,24 @@ class Engine:
             self.max_model_len,
             TargetConfidenceGate(config.gate.min_target_prob),
             self.kv_cache,
-            GoodputPolicy() if config.draft_policy == "goodput" else None,
+            GoodputPolicy(calibrate=self._step_cost_timer(config))
+            if config.draft_policy == "goodput"
+            else None,
         )
+
+    def _step_cost_timer(self, config: DecoderConfig):
+        """Times the forward pass by step size for the goodput policy, up to the largest step
+        drafting can make (each running sequence with k drafts)."""
+        sched = self.config.scheduler
+        largest = min(sched.max_num_batched_tokens,
+                      sched.max_num_seqs * (1 + config.num_speculative_tokens))  # fmt: skip
+        return lambda: time_forward_steps(self.runner, self.block_manager, largest)
+
+    def calibrate_step_costs(self) -> None:
+        """Measure now what the goodput policy would measure before its first choice (the
+        engine process does it at start-up, so no request waits for it)."""
+        if self.speculator is not None and self.speculator.policy is not None:
+            self.speculator.policy.ensure_calibrated()
 
     # ---- requests ----------------------------------------------------------------------
     @property

@@ -155,7 +155,7 @@ class Speculator:
             proposals.update(decoder.propose(seqs, grants))
             if self.policy is not None:
                 seconds = time.perf_counter() - started
-                self.policy.observe_draft(decoder.name, max(grants.values()), seconds)
+                self.policy.observe_draft(decoder.name, max(grants.values()), len(grants), seconds)
                 self._step_draft_seconds += seconds
         for seq, s in granted.items():
             proposal = proposals.get(seq)

@@ -261,6 +261,35 @@ def run_serve_bench(
     )
 
 
+def draft_lengths_chosen(url: str, method: str) -> dict[int, float]:
+    """The server's count of steps per draft length the goodput policy chose for ``method``
+    (empty when the policy is off), from its Prometheus text."""
+    return parse_draft_lengths(httpx.get(url + "/metrics", timeout=10).text, method)
+
+
+def parse_draft_lengths(text: str, method: str) -> dict[int, float]:
+    """Steps per chosen draft length for ``method`` in Prometheus text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "specserve:spec_decode_draft_length_chosen":
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("decoder") == method:
+                counts[int(sample.labels["length"])] = sample.value
+    return counts
+
+
+def policy_summary(chosen: dict[int, float]) -> str:
+    """"share of steps with no drafts | mean chosen length" for a run's policy choices."""
+    steps = sum(chosen.values())
+    if not steps:
+        return "- | -"
+    mean = sum(k * n for k, n in chosen.items()) / steps
+    return f"{chosen.get(0, 0.0) / steps:.0%} | {mean:.2f}"
+
+
 def run_concurrency_sweep(
     model: str | None,
     config: str | None,
@@ -289,13 +318,15 @@ def run_concurrency_sweep(
     )
     print(
         f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
-        f"autoregressive | ITL p50/p99 ms {method} |\n|---|---|---|---|---|---|"
+        f"autoregressive | ITL p50/p99 ms {method} | {method} steps plain | {method} mean "
+        "draft length |\n|---|---|---|---|---|---|---|---|"
     )
     proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
     try:
         for c in concurrencies:
             rows = {}
             for name in ("autoregressive", method):
+                lengths_before = draft_lengths_chosen(url, method)
                 load = asyncio.run(
                     run_load(
                         name, url, "bench", c, c * requests_per_stream, max_tokens,
@@ -305,11 +336,13 @@ def run_concurrency_sweep(
                 tokens = load.output_tokens(tokenizer)
                 itl = percentiles([g for r in load.results for g in r.gaps])
                 rows[name] = (tokens / load.wall, itl)
+            after = draft_lengths_chosen(url, method)
+            chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
             (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]
             print(
                 f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
                 f"{plain_itl[0] * 1e3:.0f} / {plain_itl[2] * 1e3:.0f} | "
-                f"{spec_itl[0] * 1e3:.0f} / {spec_itl[2] * 1e3:.0f} |"
+                f"{spec_itl[0] * 1e3:.0f} / {spec_itl[2] * 1e3:.0f} | {policy_summary(chosen)} |"
             )
     finally:
         stop_server(proc)

@@ -35,8 +35,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--draft-policy",
         choices=["fixed", "goodput"],
-        help="fixed: draft k every step (the default); goodput: each step's draft length, 0 "
-        "included, from measured step costs and acceptance",
+        help="goodput (the default): each step's draft length, 0 included, from measured "
+        "step costs and acceptance; fixed: draft k every step",
     )
     p.add_argument(
         "--threads",

@@ -117,6 +117,10 @@ def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir
         assert plain > 0 and spec > 0 and ratio.endswith("x")
         assert abs(float(ratio[:-1]) - spec / plain) < 0.02  # from the unrounded rates
         assert cells[4].count("/") == 1 and cells[5].count("/") == 1  # ITL p50 / p99
+        # The policy's share of plain steps and mean draft length ("-" if it never chose).
+        assert (cells[6], cells[7]) == ("-", "-") or (
+            cells[6].endswith("%") and 0 <= float(cells[7]) <= 4
+        )
 
 
 def test_bench_offline_decoder_reports_speedup_identity_and_plot(tiny_chat_model_dir, tmp_path):

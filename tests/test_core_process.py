@@ -378,6 +378,9 @@ def test_exception_in_step_logs_traceback_and_exits_nonzero(monkeypatch, capsys)
         max_model_len, model, eos_token_ids = 64, Model(), {2}
         loaded_decoders = ["autoregressive"]
 
+        def calibrate_step_costs(self):
+            pass
+
         def add_request(self, *args):
             pass
 

@@ -102,6 +102,7 @@ def test_truncated_level1_reads_only_what_level2_has_cached(tiny_model_dir, tiny
 
     decoder = {
         "method": "hierarchical",
+        "draft_policy": "fixed",
         "draft": {"model": str(tiny_draft_model_dir), "quantization": "none"},
         "hierarchical": {"level1": "draft_truncated", "level1_num_layers": 1},
     }

@@ -119,6 +119,7 @@ def variant(request, tiny_model_dir, tiny_draft_model_dir, other_shape_model_dir
         "method": methods[0],
         "extra_methods": methods[1:],
         "num_speculative_tokens": 4,
+        "draft_policy": "fixed",  # k every step: these tests are about what drafting does
         "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
         **spec,
@@ -295,6 +296,7 @@ def test_a_separate_draft_model_keeps_its_cache_in_step(tiny_model_dir, tiny_dra
     decoder = {
         "method": "draft",
         "num_speculative_tokens": 4,
+        "draft_policy": "fixed",
         "draft": {"model": str(tiny_draft_model_dir), "quantization": "none"},
     }
     rates = []

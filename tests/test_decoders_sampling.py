@@ -124,6 +124,7 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
             decoder={
                 **spec,
                 "num_speculative_tokens": 2,
+                "draft_policy": "fixed",  # every step drafts: sampling is checked on drafts
                 "prompt_lookup_min": 1,
                 "prompt_lookup_max": 3,
             },
@@ -281,10 +282,11 @@ def test_continuations_of_a_seeded_request_draft_independently(engines, monkeypa
 
 
 def test_draft_lengths_switching_mid_request_keep_sampling_exact(engines, exact, monkeypatch):
-    # A fresh goodput policy measures each length once (0, then 1, then 2) and then tries one
+    # A goodput policy told that steps cost the same whatever their size: one continuation
+    # tries each length first, then all move up to it (0, then 1, then 2), and one tries one
     # more every other step: the continuations' draft lengths change from step to step.
     engine = engines["self"].engine
-    policy = GoodputPolicy(explore_every=2)
+    policy = GoodputPolicy(explore_every=2, calibrate=lambda: {1: 0.01, 10**6: 0.01})
     monkeypatch.setattr(engine.speculator, "policy", policy)
     params = PARAMS["penalties-logit_bias"]
     request = SamplingParams(

@@ -30,7 +30,8 @@ def drafter_dir(tiny_model_dir, tmp_path_factory):
 
 def kangaroo_llm(model_dir, drafter, quantization="int8", threshold=0.0, **overrides) -> LLM:
     spec = {"drafter": str(drafter), "quantization": quantization, "exit_threshold": threshold}
-    decoder = {"method": "kangaroo", "kangaroo": spec, "num_speculative_tokens": 4}
+    decoder = {"method": "kangaroo", "kangaroo": spec, "num_speculative_tokens": 4,
+               "draft_policy": "fixed"}  # fmt: skip
     return LLM(model=str(model_dir), decoder=decoder, **overrides)
 
 

@@ -25,7 +25,7 @@ def server(tiny_chat_model_dir, tmp_path_factory):
     config = tmp / "config.yaml"
     # min 1: a random model's text rarely repeats 2-grams, but its greedy loops repeat tokens.
     config.write_text(
-        "decoder:\n  method: autoregressive\n  prompt_lookup_min: 1\n"
+        "decoder:\n  method: autoregressive\n  prompt_lookup_min: 1\n  draft_policy: fixed\n"
         "  layerskip:\n    skip_mlp: [1]\n"
     )
     args = ["--config", str(config), "--model", str(tiny_chat_model_dir)]

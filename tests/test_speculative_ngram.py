@@ -14,6 +14,7 @@ from tests.stats import chi_square_p_value
 NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": 4,
+    "draft_policy": "fixed",  # k every step: these tests are about the drafts' distribution
     "prompt_lookup_min": 1,
     "prompt_lookup_max": 3,
 }

@@ -47,7 +47,8 @@ def drafter_dir(kind, tiny_model_dir, tmp_path_factory):
 
 
 def trained_llm(kind, model_dir, drafter, **overrides) -> LLM:
-    decoder = {"method": kind, kind: {"drafter": str(drafter)}, "num_speculative_tokens": 6}
+    decoder = {"method": kind, kind: {"drafter": str(drafter)}, "num_speculative_tokens": 6,
+               "draft_policy": "fixed"}  # fmt: skip
     return LLM(model=str(model_dir), decoder=decoder, **overrides)
 
 

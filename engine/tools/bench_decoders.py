@@ -205,7 +205,11 @@ def _merged(base: dict, overrides: dict) -> dict:
 
 
 def decoder_config(base: DecoderConfig, variant: Variant, k: int) -> DecoderConfig:
-    fields = _merged(base.model_dump(), {"num_speculative_tokens": k, **variant.decoder})
+    # A variant drafts its k every step unless it names the policy: "eagle-k2" means k = 2.
+    fields = _merged(
+        base.model_dump(),
+        {"num_speculative_tokens": k, "draft_policy": "fixed", **variant.decoder},
+    )
     fields["extra_methods"] = []
     return DecoderConfig.model_validate(fields)
 

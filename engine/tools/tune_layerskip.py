@@ -199,6 +199,7 @@ class LayerSkipTuner:
         for i, skip_set in enumerate(skip_sets):
             fields = {**self.decoder.model_dump(), **skip_set.decoder_overrides()}
             fields["load_shipped_drafters"] = False  # each speculator loads its draft alone
+            fields["draft_policy"] = "fixed"  # a skip set is judged at the k it is tuned for
             spec = self.engine.build_speculator(DecoderConfig.model_validate(fields))
             self.timer.watch(spec)
             speculators[i] = spec
