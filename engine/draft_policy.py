@@ -8,10 +8,10 @@ draft length k (0 included) that maximises expected emitted tokens per second of
 
 for the B sequences that want to draft, with
 
-- T(n): the target's forward time for a step of n tokens: measured for a range of step sizes
-  when the policy is first needed (``calibrate``; the engine times decode-shaped steps), then
-  refined by every step (a moving average per n, linear between the n known, extended along
-  the last two beyond them);
+- T(n, K): the target's forward time for a step of n tokens attending to K keys: the engine
+  times decode-shaped steps of 1 to 128 tokens, and a few at a longer context, when the policy
+  is first needed (``calibrate``), and every step that runs rescales that model
+  (``StepCostModel``);
 - D(k, B): the decoder's drafting time when B sequences are granted k, learnt per decoder from
   its propose calls (a window that stops early is part of what k costs); for a B not seen, the
   time of the nearest larger B seen, or the largest smaller one scaled up by B (an estimate
@@ -47,35 +47,86 @@ def _ema(old: float | None, new: float, weight: float = SMOOTHING) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+def _along(points: dict[int, float], n: int) -> float | None:
+    """A curve through ``points`` at n: linear between them, along the last two beyond the
+    largest (never falling), the smallest's value below it; None without points."""
+    if n in points:
+        return points[n]
+    seen = sorted(points)
+    if not seen:
+        return None
+    below = [m for m in seen if m < n]
+    above = [m for m in seen if m > n]
+    if not below:
+        return points[above[0]]
+    if not above:
+        if len(below) == 1:  # proportional to the tokens: errs towards drafting less
+            return points[below[-1]] * n / below[-1]
+        lo, hi = below[-2], below[-1]
+    else:
+        lo, hi = below[-1], above[0]
+    slope = max(0.0, (points[hi] - points[lo]) / (hi - lo))
+    return points[lo] + slope * (n - lo)
+
+
+@dataclass
+class StepTimings:
+    """What the engine measured for the cost model: forward seconds by step size with every
+    row attending to ``context`` keys, and at some sizes with ``long_context`` keys."""
+
+    short: dict[int, float]
+    context: int
+    long: dict[int, float] = field(default_factory=dict)
+    long_context: int = 0
+
+
 @dataclass
 class StepCostModel:
-    """The target's forward time by number of tokens in the step."""
+    """The target's forward time for a step of n tokens attending to K keys in all (each
+    token counts the keys of its sequence up to itself).
 
-    seconds: dict[int, float] = field(default_factory=dict)
+    With a calibration: T = (P(n) + a K) s. P(n), the step at a short context, and a, seconds
+    per attended key, come from the engine's timings (the curve gives the shape); s, the ratio
+    of observed to predicted time over the steps that really run, gives the level (a busy
+    neighbour slows every size, not only the sizes that ran lately). Keys matter because a
+    draft attends to its whole sequence: at 130 tokens of context a 2-token step cost 1.3x a
+    1-token one on a 2-core CPU, at 15 tokens 1.07x. Without a calibration: each size's own
+    moving average, joined by ``_along``.
+    """
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    seconds: dict[int, float] = field(default_factory=dict)  # observed, by step size
+    products: dict[int, float] = field(default_factory=dict)  # P(n)
+    key_seconds: float = 0.0  # a
+    scale: float = 1.0  # s, a moving average
+
+    def calibrate(self, timings: StepTimings) -> None:
+        per_key = [
+            (timings.long[n] - timings.short[n]) / (n * (timings.long_context - timings.context))
+            for n in timings.long
+            if n in timings.short and timings.long_context > timings.context
+        ]
+        self.key_seconds = max(0.0, sum(per_key) / len(per_key)) if per_key else 0.0
+        self.products = {
+            n: max(0.0, t - self.key_seconds * n * timings.context)
+            for n, t in timings.short.items()
+        }
+        self.scale = 1.0
+
+    def _model(self, num_tokens: int, keys: int) -> float | None:
+        products = _along(self.products, num_tokens)
+        return None if products is None else products + self.key_seconds * keys
+
+    def observe(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
         self.seconds[num_tokens] = _ema(self.seconds.get(num_tokens), seconds)
+        expected = self._model(num_tokens, keys)
+        if expected:
+            self.scale = _ema(self.scale, seconds / expected)
 
-    def predict(self, num_tokens: int) -> float | None:
-        """Linear between the step sizes known, along the last two beyond the largest (never
-        below it), the smallest's time below it; None before any step is known."""
-        if num_tokens in self.seconds:
-            return self.seconds[num_tokens]
-        seen = sorted(self.seconds)
-        if not seen:
-            return None
-        below = [n for n in seen if n < num_tokens]
-        above = [n for n in seen if n > num_tokens]
-        if not below:
-            return self.seconds[above[0]]
-        if not above:
-            if len(below) == 1:  # proportional to the tokens: errs towards drafting less
-                return self.seconds[below[-1]] * num_tokens / below[-1]
-            lo, hi = below[-2], below[-1]
-        else:
-            lo, hi = below[-1], above[0]
-        slope = max(0.0, (self.seconds[hi] - self.seconds[lo]) / (hi - lo))
-        return self.seconds[lo] + slope * (num_tokens - lo)
+    def predict(self, num_tokens: int, keys: int = 0) -> float | None:
+        """None before any step is known."""
+        if self.products:
+            return self._model(num_tokens, keys) * self.scale
+        return _along(self.seconds, num_tokens)
 
 
 @dataclass
@@ -133,10 +184,10 @@ class GoodputPolicy:
     def __init__(
         self,
         explore_every: int = 16,
-        calibrate: Callable[[], dict[int, float]] | None = None,
+        calibrate: Callable[[], StepTimings] | None = None,
     ):
-        """``calibrate``: returns the target's forward seconds by step size, measured on the
-        machine; called once, before the first choice."""
+        """``calibrate``: returns the target's forward timings (``StepTimings``), measured on
+        the machine; called once, before the first choice."""
         self.cost = StepCostModel()
         self.decoders: dict[str, DecoderRecord] = defaultdict(DecoderRecord)
         self.explore_every = explore_every
@@ -150,19 +201,22 @@ class GoodputPolicy:
     def ensure_calibrated(self) -> None:
         if self._calibrate is not None:
             measure, self._calibrate = self._calibrate, None
-            for num_tokens, seconds in measure().items():
-                self.cost.observe(num_tokens, seconds)
+            self.cost.calibrate(measure())
 
-    def choose(self, decoder: str, num_seqs: int, cap: int, other_tokens: int = 0) -> int:
-        """The draft length for ``num_seqs`` sequences of ``decoder`` (at most ``cap``), with
-        ``other_tokens`` more tokens in the step; sets ``explore`` when one of them should draft
-        one more."""
+    def choose(
+        self, decoder: str, num_seqs: int, cap: int, context: int = 0, other_tokens: int = 0
+    ) -> int:
+        """The draft length for ``num_seqs`` sequences of ``decoder`` (at most ``cap``) holding
+        ``context`` tokens in all, with ``other_tokens`` more tokens in the step; sets
+        ``explore`` when one of them should draft one more."""
         self.ensure_calibrated()
         self._steps += 1
         record = self.decoders[decoder]
         rates: dict[int, tuple[float, float]] = {}  # k -> (tokens per second, step seconds)
         for k in range(cap + 1):
-            forward = self.cost.predict(other_tokens + num_seqs * (1 + k))
+            # Each of the 1 + k tokens attends to its sequence, drafts to their predecessors.
+            keys = (1 + k) * context + num_seqs * k * (k + 1) // 2
+            forward = self.cost.predict(other_tokens + num_seqs * (1 + k), keys)
             drafting = 0.0 if k == 0 else record.predict_draft(k, num_seqs)
             if forward is None or drafting is None:
                 break  # not measured: deeper lengths are not either
@@ -184,8 +238,8 @@ class GoodputPolicy:
         self.chosen[decoder][best] += 1
         return best
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.cost.observe(num_tokens, seconds)
+    def observe_step(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
+        self.cost.observe(num_tokens, seconds, keys)
 
     def observe_draft(self, decoder: str, depth: int, num_seqs: int, seconds: float) -> None:
         self.decoders[decoder].observe_draft(depth, num_seqs, seconds)

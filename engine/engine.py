@@ -281,8 +281,7 @@ class Engine:
             started = time.perf_counter()
             logits = self.runner.run(items)
             if spec is not None:
-                spec.observe_forward(sum(s.num_new_tokens for s in scheduled),
-                                     time.perf_counter() - started)  # fmt: skip
+                spec.observe_forward(items, time.perf_counter() - started)
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
@@ -297,9 +296,7 @@ class Engine:
                 logits, hidden = out.logits, out.hidden_states
             else:
                 logits = self.runner.run(items)
-            spec.observe_forward(
-                sum(len(item.token_ids) for item in items), time.perf_counter() - started
-            )
+            spec.observe_forward(items, time.perf_counter() - started)
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
             )

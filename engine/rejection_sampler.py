@@ -33,6 +33,7 @@ from engine.sampling import (
     SamplingRow,
     default_generator,
     draw_uniforms,
+    greedy_tokens,
     probabilities,
     process_logits,
     sample_from_probabilities,
@@ -225,7 +226,7 @@ def _verify_greedy(
     processed: torch.Tensor, runs: Sequence[DraftRun], starts: Sequence[int]
 ) -> list[_Outcome]:
     # Argmax over every row, sampled ones included: as cheap as gathering the greedy rows first.
-    best = processed.argmax(dim=-1).tolist()
+    best = greedy_tokens(processed).tolist()
     outcomes = []
     for run, start in zip(runs, starts, strict=True):
         drafts = list(run.draft_token_ids)

@@ -134,7 +134,8 @@ class Speculator:
             wants = decoder.plan(seqs, {s: self._max_drafts(s) for s in seqs})
             wants = {s: n for s, n in wants.items() if n > 0}
             if self.policy is not None and wants:
-                k = self.policy.choose(decoder.name, len(wants), max(wants.values()))
+                context = sum(s.num_tokens for s in wants)
+                k = self.policy.choose(decoder.name, len(wants), max(wants.values()), context)
                 explorer = next(iter(wants)) if self.policy.explore else None
                 wants = {
                     s: min(n, k + (s is explorer)) for s, n in wants.items()
@@ -169,11 +170,13 @@ class Speculator:
             s.num_lookahead = count
         return proposals
 
-    def observe_forward(self, num_tokens: int, seconds: float) -> None:
-        """The step's forward pass took ``seconds`` for ``num_tokens`` tokens (the policy's
-        cost model)."""
+    def observe_forward(self, items: list[ForwardItem], seconds: float) -> None:
+        """The step's forward pass over ``items`` took ``seconds`` (the policy's cost model:
+        its tokens, and the keys they attended to)."""
         if self.policy is not None:
-            self.policy.observe_step(num_tokens, seconds)
+            tokens = sum(len(item.token_ids) for item in items)
+            keys = sum(len(i.token_ids) * (i.num_cached + len(i.token_ids)) for i in items)
+            self.policy.observe_step(tokens, seconds, keys)
             self.measured_step_seconds = seconds + self._step_draft_seconds
             self._step_draft_seconds = 0.0
 

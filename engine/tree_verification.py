@@ -34,6 +34,7 @@ import torch
 from engine.sampling import (
     default_generator,
     draw_uniforms,
+    greedy_tokens,
     probabilities,
     sample_from_probabilities,
 )
@@ -89,7 +90,7 @@ def verify_tree_greedy(
     processed: torch.Tensor, token_ids: Sequence[int], parents: Sequence[int]
 ) -> TreeOutcome:
     """Greedy: the longest path that matches the target's argmax. ``processed``: the run's rows."""
-    best = processed.argmax(dim=-1).tolist()
+    best = greedy_tokens(processed).tolist()
     children = children_of(parents)
     path, node = [], -1
     while (child := _follow(token_ids, children, node, best[node + 1])) is not None:

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.draft_policy import DecoderRecord, GoodputPolicy
+from engine.draft_policy import DecoderRecord, GoodputPolicy, StepTimings
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -88,12 +88,35 @@ def test_a_clear_loss_is_explored_only_rarely():
 
 
 def test_step_costs_extend_past_what_was_measured():
-    policy = GoodputPolicy(calibrate=lambda: {1: 0.01, 2: 0.012, 4: 0.016})
+    timings = StepTimings({1: 0.01, 2: 0.012, 4: 0.016}, context=0)
+    policy = GoodputPolicy(calibrate=lambda: timings)
     assert policy.cost.predict(4) is None  # nothing until the first choice calibrates
     policy.choose("d", 1, cap=1)
     assert policy.cost.predict(3) == pytest.approx(0.014)  # between measured sizes
     assert policy.cost.predict(8) == pytest.approx(0.024)  # along the last two
     assert policy.cost.predict(1) == 0.01
+    # Real steps run at twice the calibrated time (longer contexts, a busy neighbour): every
+    # size's estimate follows, not only the size that ran.
+    for _ in range(100):
+        policy.observe_step(2, 0.024)
+    assert policy.cost.predict(2) == pytest.approx(0.024, rel=1e-3)
+    assert policy.cost.predict(8) == pytest.approx(0.048, rel=1e-3)
+
+
+def test_drafts_over_long_contexts_cost_their_attention():
+    # 1 ms per token at 10 keys each, 1 ms more per 100 keys a token attends to: a draft
+    # costs 10% of a step at a short context and much more at a long one.
+    short = {n: 0.001 * n + 0.010 + 0.00001 * 10 * n for n in range(1, 9)}
+    long = {n: short[n] + 0.00001 * 990 * n for n in (1, 4)}
+    policy = GoodputPolicy(calibrate=lambda: StepTimings(short, 10, long, 1000))
+    policy.ensure_calibrated()
+    assert policy.cost.key_seconds == pytest.approx(0.00001)
+    assert policy.cost.predict(2, keys=2 * 500) == pytest.approx(short[2] + 0.00001 * 980)
+    policy.observe_draft("d", 1, 1, 0.0001)
+    record = policy.decoders["d"]
+    record.reached, record.accepted = [1.0], [0.3]  # 30% of first drafts accepted
+    assert policy.choose("d", num_seqs=1, cap=1, context=20) == 1
+    assert policy.choose("d", num_seqs=1, cap=1, context=2000) == 0
 
 
 def test_drafting_time_of_an_unseen_group_size_errs_high():
@@ -110,16 +133,16 @@ def test_the_engine_times_its_steps_once_before_the_first_choice(tiny_model_dir)
     decoder = {"method": "ngram", "num_speculative_tokens": 3}  # the policy is the default
     llm = LLM(model=str(tiny_model_dir), decoder=decoder, scheduler={"max_num_seqs": 4})
     policy = llm.engine.speculator.policy
-    assert policy is not None and not policy.cost.seconds
+    assert policy is not None and not policy.cost.products
     free = llm.engine.block_manager.num_free_blocks
     llm.engine.calibrate_step_costs()
     # Decode-shaped steps up to 4 sequences x (1 + 3 drafts), their blocks given back.
-    assert sorted(policy.cost.seconds) == [1, 2, 3, 4, 5, 6, 8, 12, 16]
-    assert all(s > 0 for s in policy.cost.seconds.values())
+    assert sorted(policy.cost.products) == [1, 2, 3, 4, 5, 6, 8, 12, 16]
+    assert policy.cost.predict(16, keys=16 * 200) > 0 and policy.cost.key_seconds >= 0
     assert llm.engine.block_manager.num_free_blocks == free
-    timed = dict(policy.cost.seconds)
+    timed = dict(policy.cost.products)
     llm.generate([[5, 6, 7, 8, 9] * 6], SamplingParams(temperature=0, max_tokens=8))
-    assert policy.cost.seconds.keys() >= timed.keys()  # refined by steps, never re-timed
+    assert policy.cost.products == timed and policy.cost.scale != 1.0  # rescaled, not re-timed
 
 
 def test_acceptance_by_position_gives_the_expected_accepted_drafts():

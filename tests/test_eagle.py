@@ -27,7 +27,8 @@ def drafter_dir(tiny_model_dir, tmp_path_factory):
 
 def eagle_llm(model_dir, drafter, quantization="int8", **overrides) -> LLM:
     eagle = {"drafter": str(drafter), "quantization": quantization}
-    decoder = {"method": "eagle", "eagle": eagle, "num_speculative_tokens": 4}
+    decoder = {"method": "eagle", "eagle": eagle, "num_speculative_tokens": 4,
+               "draft_policy": "fixed"}  # fmt: skip
     return LLM(model=str(model_dir), decoder=decoder, **overrides)
 
 

@@ -413,3 +413,14 @@ def test_tiny_temperature_is_greedy_not_an_overflow():
     sampler = Sampler(eos_token_ids=[])
     picks = {sampler(logits, [row], [make_generator(i)])[0].token_id for i in range(20)}
     assert picks == {1}
+
+
+def test_greedy_tokens_take_the_first_of_tied_maxima_as_argmax_does():
+    from engine.sampling import greedy_tokens
+
+    logits = torch.randn(33, 1000)
+    logits[3, [7, 500, 999]] = 50.0  # ties: the first index wins
+    logits[4] = float("-inf")
+    logits[4, [2, 3]] = 0.0
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert greedy_tokens(logits)[3] == 7 and greedy_tokens(logits)[4] == 2

@@ -25,7 +25,6 @@ parameter.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -103,26 +102,61 @@ class EagleNetwork(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
-@dataclass
 class _FeatureLog:
     """A sequence's target features the drafter has not consumed for good yet, and its newest
-    guess (the output of the last entry it computed)."""
+    guess (the output of the last entry it computed).
 
-    start: int  # position of features[0]
-    features: torch.Tensor  # [m, d] final-normed target features
-    guess: torch.Tensor | None = None
-    guess_position: int = -1
+    Every step appends the step's features, drafting or not (a step that drafts nothing is
+    the common case under load), so appending is the cheap part: rows go into a buffer that
+    doubles when full, and the final norm is applied only to the rows an entry reads.
+    """
+
+    def __init__(self, start: int, features: torch.Tensor, normalize):
+        self.start = start  # position of the first kept feature
+        self._buffer = features.detach().clone()
+        self._head, self._count = 0, len(features)
+        self._normalize = normalize  # the target's final norm
+        self.guess: torch.Tensor | None = None
+        self.guess_position = -1
+
+    @property
+    def end(self) -> int:
+        """One past the last position with a feature."""
+        return self.start + self._count
+
+    @property
+    def features(self) -> torch.Tensor:
+        """[m, d] the kept features, final-normed (positions start .. end - 1)."""
+        return self._normalize(self._rows(0, self._count))
+
+    def _rows(self, a: int, b: int) -> torch.Tensor:
+        return self._buffer[self._head + a : self._head + b]
+
+    def append(self, features: torch.Tensor) -> None:
+        n = len(features)
+        if self._head + self._count + n > len(self._buffer):
+            grown = self._buffer.new_empty(max(64, 2 * (self._count + n)), self._buffer.shape[1])
+            grown[: self._count] = self._rows(0, self._count)
+            self._buffer, self._head = grown, 0
+        self._buffer[self._head + self._count : self._head + self._count + n] = features
+        self._count += n
+
+    def drop_before(self, position: int) -> None:
+        """Forget the features of positions before ``position``."""
+        drop = min(max(0, position - self.start), self._count)
+        self._head, self._count = self._head + drop, self._count - drop
+        self.start += drop
 
     def before(self, first: int, count: int, width: int) -> torch.Tensor:
         """[count, d] the features entries first .. first + count - 1 read: position p - 1's
         target feature where known, else the guess made there, else zeros."""
-        out = torch.zeros(count, width, dtype=self.features.dtype)
+        out = torch.zeros(count, width, dtype=self._buffer.dtype)
         lo, hi = first - 1, first - 1 + count  # feature positions wanted: [lo, hi)
         if self.guess is not None and lo <= self.guess_position < hi:
             out[self.guess_position - lo] = self.guess
-        a, b = max(lo, self.start), min(hi, self.start + len(self.features))
+        a, b = max(lo, self.start), min(hi, self.end)
         if a < b:
-            out[a - lo : b - lo] = self.features[a - self.start : b - self.start]
+            out[a - lo : b - lo] = self._normalize(self._rows(a - self.start, b - self.start))
         return out
 
 
@@ -178,18 +212,19 @@ class EagleDrafter(ModelDrafter):
         return seq in self._logs
 
     def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
-        arch = self.model.arch
-        normed = rms_norm(features, self.model.final_norm, arch.rms_norm_eps).detach()
         log = self._logs.get(seq)
-        if log is None or first_position != log.start + len(log.features):
+        if log is None or first_position != log.end:
             # New, or recomputed after preemption: start over from these positions.
-            self._logs[seq] = _FeatureLog(first_position, normed.clone())
+            self._logs[seq] = _FeatureLog(first_position, features, self._final_norm)
             return
         state = self._states.get(seq)
-        # Entries from num_cached on will be (re)computed and read features from one before.
-        keep_from = log.start if state is None else max(log.start, state.num_cached - 1)
-        kept = torch.cat([log.features[keep_from - log.start :], normed])
-        log.start, log.features = keep_from, kept
+        if state is not None:
+            # Entries from num_cached on will be (re)computed and read features from one before.
+            log.drop_before(state.num_cached - 1)
+        log.append(features.detach())
+
+    def _final_norm(self, features: torch.Tensor) -> torch.Tensor:
+        return rms_norm(features, self.model.final_norm, self.model.arch.rms_norm_eps)
 
     def _state(self, seq: Sequence):
         state = super()._state(seq)
