@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 SMOOTHING = 0.1  # weight of a new observation in the moving averages
 DECAY = 0.98  # acceptance counts: about the last 50 runs matter
-PRIOR_ACCEPTANCE = 0.5  # a position never reached yet
+PRIOR_ACCEPTANCE = 0.5  # the first position, before any run reached it
+PRIOR_RUNS = 2.0  # pseudo-runs behind each position's estimate
 PLAUSIBLE = 0.9  # explore the next length while its rate is within this of the best
 RARELY = 16  # ... and every RARELY-th exploring step otherwise
 
@@ -97,7 +98,11 @@ class StepCostModel:
     seconds: dict[int, float] = field(default_factory=dict)  # observed, by step size
     products: dict[int, float] = field(default_factory=dict)  # P(n)
     key_seconds: float = 0.0  # a
-    scale: float = 1.0  # s, a moving average
+    scale: float = 1.0  # s over plain steps, a moving average
+    # s over steps that verified drafts: verification (the rejection sampler, per-sequence
+    # bookkeeping, the hidden states some decoders read) costs more than sampling, and a
+    # policy that priced it as a plain step drafted at 8 streams where it lost.
+    drafted_scale: float | None = None
 
     def calibrate(self, timings: StepTimings) -> None:
         per_key = [
@@ -116,16 +121,21 @@ class StepCostModel:
         products = _along(self.products, num_tokens)
         return None if products is None else products + self.key_seconds * keys
 
-    def observe(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
-        self.seconds[num_tokens] = _ema(self.seconds.get(num_tokens), seconds)
+    def observe(self, num_tokens: int, seconds: float, keys: int = 0, drafted: bool = False):
+        if not drafted:
+            self.seconds[num_tokens] = _ema(self.seconds.get(num_tokens), seconds)
         expected = self._model(num_tokens, keys)
-        if expected:
+        if expected and drafted:
+            self.drafted_scale = _ema(self.drafted_scale, seconds / expected)
+        elif expected:
             self.scale = _ema(self.scale, seconds / expected)
 
-    def predict(self, num_tokens: int, keys: int = 0) -> float | None:
-        """None before any step is known."""
+    def predict(self, num_tokens: int, keys: int = 0, drafted: bool = False) -> float | None:
+        """None before any step is known. ``drafted``: a step that verifies drafts (priced as
+        a plain one until one has run)."""
         if self.products:
-            return self._model(num_tokens, keys) * self.scale
+            scale = self.drafted_scale if drafted and self.drafted_scale else self.scale
+            return self._model(num_tokens, keys) * scale
         return _along(self.seconds, num_tokens)
 
 
@@ -168,9 +178,15 @@ class DecoderRecord:
             self.accepted[j] += j < num_accepted
 
     def acceptance(self, position: int) -> float:
-        if position >= len(self.reached) or self.reached[position] == 0:
-            return PRIOR_ACCEPTANCE
-        return self.accepted[position] / self.reached[position]
+        """Accepted over reached at ``position``, with PRIOR_RUNS pseudo-runs at the previous
+        position's rate (PRIOR_ACCEPTANCE for the first): a deep position reached a few times
+        must not read 100% and make long drafts look free."""
+        prior = PRIOR_ACCEPTANCE if position == 0 else self.acceptance(position - 1)
+        if position >= len(self.reached):
+            return prior
+        return (self.accepted[position] + PRIOR_RUNS * prior) / (
+            self.reached[position] + PRIOR_RUNS
+        )
 
     def expected_accepted(self, k: int) -> float:
         total, chain = 0.0, 1.0
@@ -204,23 +220,32 @@ class GoodputPolicy:
             self.cost.calibrate(measure())
 
     def choose(
-        self, decoder: str, num_seqs: int, cap: int, context: int = 0, other_tokens: int = 0
+        self,
+        decoder: str,
+        num_seqs: int,
+        cap: int,
+        context: int = 0,
+        other_tokens: int = 0,
+        other_keys: int = 0,
     ) -> int:
         """The draft length for ``num_seqs`` sequences of ``decoder`` (at most ``cap``) holding
-        ``context`` tokens in all, with ``other_tokens`` more tokens in the step; sets
-        ``explore`` when one of them should draft one more."""
+        ``context`` tokens in all, in a step with ``other_tokens`` more decode tokens (one
+        token out each) attending to ``other_keys`` keys; sets ``explore`` when one of the
+        sequences should draft one more. The others count: two drafts added to a step of 8
+        sequences cost what 8 -> 10 rows cost, not 1 -> 3, and the step's output is theirs
+        too."""
         self.ensure_calibrated()
         self._steps += 1
         record = self.decoders[decoder]
         rates: dict[int, tuple[float, float]] = {}  # k -> (tokens per second, step seconds)
         for k in range(cap + 1):
             # Each of the 1 + k tokens attends to its sequence, drafts to their predecessors.
-            keys = (1 + k) * context + num_seqs * k * (k + 1) // 2
-            forward = self.cost.predict(other_tokens + num_seqs * (1 + k), keys)
+            keys = other_keys + (1 + k) * context + num_seqs * k * (k + 1) // 2
+            forward = self.cost.predict(other_tokens + num_seqs * (1 + k), keys, drafted=k > 0)
             drafting = 0.0 if k == 0 else record.predict_draft(k, num_seqs)
             if forward is None or drafting is None:
                 break  # not measured: deeper lengths are not either
-            expected = num_seqs * (1 + record.expected_accepted(k))
+            expected = other_tokens + num_seqs * (1 + record.expected_accepted(k))
             rates[k] = (expected / (forward + drafting), forward + drafting)
         best = max(rates, key=lambda k: rates[k][0]) if rates else 0
         nxt = best + 1
@@ -238,8 +263,10 @@ class GoodputPolicy:
         self.chosen[decoder][best] += 1
         return best
 
-    def observe_step(self, num_tokens: int, seconds: float, keys: int = 0) -> None:
-        self.cost.observe(num_tokens, seconds, keys)
+    def observe_step(
+        self, num_tokens: int, seconds: float, keys: int = 0, drafted: bool = False
+    ) -> None:
+        self.cost.observe(num_tokens, seconds, keys, drafted)
 
     def observe_draft(self, decoder: str, depth: int, num_seqs: int, seconds: float) -> None:
         self.decoders[decoder].observe_draft(depth, num_seqs, seconds)

@@ -280,11 +280,11 @@ class Engine:
             items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
             started = time.perf_counter()
             logits = self.runner.run(items)
-            if spec is not None:
-                spec.observe_forward(items, time.perf_counter() - started)
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
+            if spec is not None:  # the step as the policy weighs it: forward and sampling
+                spec.observe_forward(items, time.perf_counter() - started, drafted=False)
         else:
             items = spec.forward_items(scheduled, completing, proposals)
             hidden = None
@@ -296,10 +296,11 @@ class Engine:
                 logits, hidden = out.logits, out.hidden_states
             else:
                 logits = self.runner.run(items)
-            spec.observe_forward(items, time.perf_counter() - started)
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
             )
+            # Forward and verification: a step with drafts pays for both.
+            spec.observe_forward(items, time.perf_counter() - started, drafted=bool(proposals))
         for s in scheduled:
             # The step's tokens and the drafts that stood are in the cache; slots of rejected
             # or unused drafts are released.

@@ -134,8 +134,15 @@ class Speculator:
             wants = decoder.plan(seqs, {s: self._max_drafts(s) for s in seqs})
             wants = {s: n for s, n in wants.items() if n > 0}
             if self.policy is not None and wants:
-                context = sum(s.num_tokens for s in wants)
-                k = self.policy.choose(decoder.name, len(wants), max(wants.values()), context)
+                others = [s for s in decoding if s not in wants]
+                k = self.policy.choose(
+                    decoder.name,
+                    len(wants),
+                    max(wants.values()),
+                    context=sum(s.num_tokens for s in wants),
+                    other_tokens=len(others),
+                    other_keys=sum(s.num_tokens for s in others),
+                )
                 explorer = next(iter(wants)) if self.policy.explore else None
                 wants = {
                     s: min(n, k + (s is explorer)) for s, n in wants.items()
@@ -170,13 +177,14 @@ class Speculator:
             s.num_lookahead = count
         return proposals
 
-    def observe_forward(self, items: list[ForwardItem], seconds: float) -> None:
-        """The step's forward pass over ``items`` took ``seconds`` (the policy's cost model:
-        its tokens, and the keys they attended to)."""
+    def observe_forward(self, items: list[ForwardItem], seconds: float, drafted: bool) -> None:
+        """The step over ``items`` took ``seconds`` from its forward pass through sampling or
+        verification (the policy's cost model: its tokens, the keys they attended to, and
+        whether it verified drafts)."""
         if self.policy is not None:
             tokens = sum(len(item.token_ids) for item in items)
             keys = sum(len(i.token_ids) * (i.num_cached + len(i.token_ids)) for i in items)
-            self.policy.observe_step(tokens, seconds, keys)
+            self.policy.observe_step(tokens, seconds, keys, drafted)
             self.measured_step_seconds = seconds + self._step_draft_seconds
             self._step_draft_seconds = 0.0
 

@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.decoders import SpeculativeOptions
-from engine.draft_policy import GoodputPolicy, StepTimings
+from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling import probabilities, process_logits
@@ -286,8 +286,8 @@ def test_draft_lengths_switching_mid_request_keep_sampling_exact(engines, exact,
     # tries each length first, then all move up to it (0, then 1, then 2), and one tries one
     # more every other step: the continuations' draft lengths change from step to step.
     engine = engines["self"].engine
-    flat = StepTimings({1: 0.01, 10**6: 0.01}, context=0)
-    policy = GoodputPolicy(explore_every=2, calibrate=lambda: flat)
+    policy = GoodputPolicy(explore_every=2)
+    monkeypatch.setattr(policy.cost, "predict", lambda *args, **kwargs: 0.01)
     monkeypatch.setattr(engine.speculator, "policy", policy)
     params = PARAMS["penalties-logit_bias"]
     request = SamplingParams(

@@ -56,6 +56,9 @@ def test_a_full_batch_drafts_less_than_a_single_stream():
     policy = trained_policy(cost, 0.0005, acceptance=0.6, batch=8)
     assert policy.choose("d", num_seqs=1, cap=4) > 0
     assert policy.choose("d", num_seqs=8, cap=4) == 0
+    # One sequence that could draft among 7 that cannot (prompt lookup found no match for
+    # them): its drafts would take the step past 8 rows, where the whole step pays for them.
+    assert policy.choose("d", num_seqs=1, cap=4, other_tokens=7) == 0
 
 
 def test_unmeasured_lengths_are_tried_by_one_sequence_first():
@@ -147,12 +150,25 @@ def test_the_engine_times_its_steps_once_before_the_first_choice(tiny_model_dir)
 
 def test_acceptance_by_position_gives_the_expected_accepted_drafts():
     record = DecoderRecord()
-    for accepted in (0, 1, 2, 2):  # runs of 2 drafts
-        record.observe_run(2, accepted)
-    # Position 0 accepted in 3 of 4 runs (decayed weights nearly equal), position 1 in 2 of 3.
+    for _ in range(100):
+        for accepted in (0, 1, 2, 2):  # runs of 2 drafts
+            record.observe_run(2, accepted)
+    # Position 0 accepted in 3 of 4 runs, position 1 in 2 of the 3 that reached it.
     assert record.acceptance(0) == pytest.approx(0.75, abs=0.01)
-    assert record.acceptance(1) == pytest.approx(2 / 3, abs=0.01)
-    assert record.expected_accepted(2) == pytest.approx(0.75 + 0.75 * 2 / 3, abs=0.02)
+    assert record.acceptance(1) == pytest.approx(2 / 3, abs=0.02)
+    assert record.expected_accepted(2) == pytest.approx(0.75 + 0.75 * 2 / 3, abs=0.03)
+    # A position never reached reads like the one before it.
+    assert record.acceptance(2) == pytest.approx(record.acceptance(1))
+
+
+def test_a_position_reached_a_few_times_is_not_taken_as_certain():
+    record = DecoderRecord()
+    for _ in range(50):
+        record.observe_run(1, 0)  # first drafts seldom accepted
+    record.observe_run(3, 3)  # one lucky long run
+    assert record.acceptance(0) < 0.1
+    # 1 of 1 at positions 1 and 2, pulled towards the rates before them (1.0 unsmoothed).
+    assert record.acceptance(1) < 0.4 and record.acceptance(2) < 0.6
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft"])
