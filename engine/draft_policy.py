@@ -99,10 +99,12 @@ class StepCostModel:
     products: dict[int, float] = field(default_factory=dict)  # P(n)
     key_seconds: float = 0.0  # a
     scale: float = 1.0  # s over plain steps, a moving average
-    # s over steps that verified drafts: verification (the rejection sampler, per-sequence
-    # bookkeeping, the hidden states some decoders read) costs more than sampling, and a
-    # policy that priced it as a plain step drafted at 8 streams where it lost.
-    drafted_scale: float | None = None
+    # How much more a step that verifies drafts costs than the plain step the model predicts
+    # at the current s (the rejection sampler, per-sequence bookkeeping, the hidden states
+    # some decoders read): a policy that priced verification as sampling drafted at 8 streams
+    # where it lost. A ratio on top of s, not a scale of its own: drafted steps are rare
+    # under load, and a scale last updated at a lighter load made drafting look cheap.
+    verify_ratio: float = 1.0
 
     def calibrate(self, timings: StepTimings) -> None:
         per_key = [
@@ -126,16 +128,15 @@ class StepCostModel:
             self.seconds[num_tokens] = _ema(self.seconds.get(num_tokens), seconds)
         expected = self._model(num_tokens, keys)
         if expected and drafted:
-            self.drafted_scale = _ema(self.drafted_scale, seconds / expected)
+            self.verify_ratio = _ema(self.verify_ratio, seconds / (expected * self.scale))
         elif expected:
             self.scale = _ema(self.scale, seconds / expected)
 
     def predict(self, num_tokens: int, keys: int = 0, drafted: bool = False) -> float | None:
-        """None before any step is known. ``drafted``: a step that verifies drafts (priced as
-        a plain one until one has run)."""
+        """None before any step is known. ``drafted``: a step that verifies drafts."""
         if self.products:
-            scale = self.drafted_scale if drafted and self.drafted_scale else self.scale
-            return self._model(num_tokens, keys) * scale
+            ratio = self.verify_ratio if drafted else 1.0
+            return self._model(num_tokens, keys) * self.scale * ratio
         return _along(self.seconds, num_tokens)
 
 
