@@ -210,6 +210,9 @@ class EngineConfig(_Strict):
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
+        # One file configures a whole server: its `server:` section (CORS) is the HTTP
+        # server's to read, not the engine's.
+        data = {k: v for k, v in data.items() if k != "server"}
         try:
             return cls.from_dict(data)
         except ValueError as e:

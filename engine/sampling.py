@@ -64,6 +64,11 @@ def _require(ok: bool, name: str, rule: str, value: Any) -> None:
         raise ValueError(f"{name} must be {rule}, got {value!r}")
 
 
+def _listed(values: list) -> Any:
+    """One offending value as itself, several as the list of them."""
+    return values[0] if len(values) == 1 else values
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -167,13 +172,18 @@ class SamplingParams:
     def _normalised_logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bias = {}
+        bias, bad_keys, bad_values = {}, [], []
         for key, value in self.logit_bias.items():
             token_id = _parse_token_id(key)
-            _require(token_id is not None, "logit_bias keys", "token ids (ints >= 0)", key)
-            ok = _is_number(value) and -100 <= value <= 100
-            _require(ok, "logit_bias values", "numbers in [-100, 100]", value)
-            bias[token_id] = float(value)
+            if token_id is None:
+                bad_keys.append(key)
+            elif not (_is_number(value) and -100 <= value <= 100):
+                bad_values.append(value)
+            else:
+                bias[token_id] = float(value)
+        # Every bad entry at once: a client fixing them one 400 at a time is a poor API.
+        _require(not bad_keys, "logit_bias keys", "token ids (ints >= 0)", _listed(bad_keys))
+        _require(not bad_values, "logit_bias values", "numbers in [-100, 100]", _listed(bad_values))
         return bias
 
     @property
@@ -185,10 +195,12 @@ class SamplingParams:
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise `ValueError` if a logit_bias key or stop token id is not below `vocab_size`."""
         rule = f"< vocab size {vocab_size}"
-        for token_id in self.logit_bias or {}:
-            _require(token_id < vocab_size, "logit_bias keys", rule, token_id)
-        for token_id in self.stop_token_ids:
-            _require(token_id < vocab_size, "stop_token_ids", rule, token_id)
+        for name, ids in (
+            ("logit_bias keys", self.logit_bias or {}),
+            ("stop_token_ids", self.stop_token_ids),
+        ):
+            beyond = [token_id for token_id in ids if token_id >= vocab_size]
+            _require(not beyond, name, rule, _listed(beyond))
 
 
 class SamplingRow(Protocol):

@@ -15,9 +15,12 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.auth import bearer_token
+from server.cors import install_cors
 from server.errors import (
     GENERATION_ERRORS,
     INTERNAL_ERROR,
+    APIError,
+    UnexpectedErrors,
     engine_error,
     error_body,
     install_error_handlers,
@@ -32,6 +35,7 @@ from server.handlers import (
 from server.limits import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerSettings, ServerState
+from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from server.websocket import install_websocket
 
 log = logging.getLogger("specserve.requests")
@@ -49,23 +53,29 @@ def create_app(settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="specserve", lifespan=lifespan)
     app.state.specserve = state
     install_error_handlers(app)
+    # Innermost first: CORS wraps everything, so even a 413 or a 500 carries its headers.
+    app.add_middleware(UnexpectedErrors)
     app.add_middleware(BodySizeLimit, max_bytes=settings.limits.max_body_bytes)
+    install_cors(app, settings.cors)
 
     def authorized(authorization: str | None = Header(default=None)) -> None:
         state.check_api_key(bearer_token(authorization))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # load balancers probe with either
     async def health():
         if state.ready:
             return Response(status_code=200)
         return JSONResponse(error_body(503, "engine not ready"), status_code=503)
 
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
     @app.get("/metrics")
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models():
+    def model_card() -> dict:
         card = {
             "id": settings.model_name,
             "object": "model",
@@ -75,7 +85,27 @@ def create_app(settings: ServerSettings) -> FastAPI:
         }
         if state.client.info is not None:
             card["max_model_len"] = state.client.info.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def retrieve_model(model_id: str):
+        if model_id != settings.model_name:
+            raise APIError(
+                404, f"The model `{model_id}` does not exist", param="model", code="model_not_found"
+            )
+        return model_card()
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize_route(body: TokenizeRequest):
+        return await tokenize(state, body)
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize_route(body: DetokenizeRequest):
+        return await detokenize(state, body)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -87,6 +117,15 @@ def create_app(settings: ServerSettings) -> FastAPI:
 
     install_websocket(app, state)
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specserve")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
 
 
 async def respond(p: Prepared, stream: bool, request: Request):

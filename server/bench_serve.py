@@ -282,7 +282,7 @@ def parse_draft_lengths(text: str, method: str) -> dict[int, float]:
 
 
 def policy_summary(chosen: dict[int, float]) -> str:
-    """"share of steps with no drafts | mean chosen length" for a run's policy choices."""
+    """ "share of steps with no drafts | mean chosen length" for a run's policy choices."""
     steps = sum(chosen.values())
     if not steps:
         return "- | -"

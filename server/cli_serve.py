@@ -8,6 +8,7 @@ import os
 from dataclasses import fields
 
 from server.cli_generate import add_model_arguments, engine_config_from_args
+from server.cors import add_cors_arguments, cors_from
 from server.limits import DESCRIPTIONS, RequestLimits
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
@@ -36,6 +37,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         limits=limits,
         engine_stall_timeout_s=args.engine_stall_timeout or None,
         request_timeout_s=args.request_timeout or None,
+        cors=cors_from(args),
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     uvicorn.run(
@@ -83,6 +85,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_cors_arguments(p)
     limits = p.add_argument_group("request limits (beyond one: a 400 naming it; body: 413)")
     for f in fields(RequestLimits):
         limits.add_argument(

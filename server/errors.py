@@ -121,11 +121,33 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException):
         return error_response(APIError(exc.status_code, str(exc.detail)))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        # A bug, not the client's input: OpenAI's shape all the same, logged as the 500 it is.
-        log.exception("%s %s status=500 unexpected error", request.method, request.url.path)
-        return error_response(APIError(500, INTERNAL_ERROR))
+
+class UnexpectedErrors:
+    """ASGI middleware: a bug, not the client's input, answered in OpenAI's shape all the same
+    and logged as the 500 it is. A middleware rather than an exception handler for
+    ``Exception``, which Starlette runs outside every middleware: there the response would
+    miss the CORS headers and a browser page would see "failed to fetch"."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            log.exception("%s %s status=500 unexpected error", scope["method"], scope["path"])
+            if started:
+                raise
+            await error_response(APIError(500, INTERNAL_ERROR))(scope, receive, send)
 
 
 INTERNAL_ERROR = "The server had an error while processing your request."

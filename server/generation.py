@@ -33,12 +33,14 @@ class ChoiceEvent:
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -62,6 +64,14 @@ class RequestRun:
     arrival: float = field(default_factory=time.time)
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    # Completion tokens so far per choice (the text sent covers them), for usage mid-stream.
+    token_counts: dict[int, int] = field(default_factory=dict)
+
+    def usage_so_far(self) -> Usage:
+        """Usage up to the last event (vLLM's continuous_usage_stats)."""
+        return Usage(
+            self.usage.prompt_tokens, sum(self.token_counts.values()), self.usage.cached_tokens
+        )
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
         """All choices' events, interleaved as they arrive; ends when every choice is done."""
@@ -128,6 +138,7 @@ class RequestRun:
                     )
                 if clock.on_delta(delta):
                     self.usage.prompt_tokens += len(prompt)
+                    self.usage.cached_tokens += delta.num_cached_prompt_tokens
                 for c in delta.choices:
                     if c.index not in open_choices:
                         continue  # ended here by a stop string; the engine may lag behind
@@ -153,6 +164,7 @@ class RequestRun:
         elif c.finish_reason is not None:
             text += detok.finish(drop_last_token=c.finish_reason == "stop")
             finish = c.finish_reason  # "stop" or "length"
+        self.token_counts[index] = detok.token_count
         logprobs = c.new_logprobs
         if logprobs is not None:  # only the tokens the text covers (none past a stop string)
             logprobs = logprobs[: detok.token_count - counted]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from engine.speculative_options import SpeculativeOptions
 from server.errors import APIError, invalid_parameter
+from server.field_policy import check_extra_fields
 from server.generation import ChoiceEvent, RequestRun
 from server.limits import check_chat_limits, check_completion_limits
 from server.protocol import ChatCompletionRequest, CompletionRequest
@@ -33,6 +34,7 @@ class Prepared:
     created: int
     model: str
     include_usage: bool
+    continuous_usage: bool = False  # usage so far in every chunk (vLLM's extension)
     echo: list[str] | None = None  # completions with echo: each prompt's text, per prompt
 
     def echo_text(self, index: int) -> str:
@@ -49,12 +51,16 @@ class Prepared:
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     state.check_model(body.model)
+    check_extra_fields(body.model_extra)
     check_chat_limits(body, state.settings.limits)
     state.check_ready()
     try:
+        body.check_stream_options()
+        body.check_template_options()
         logprobs = body.requested_logprobs()
         # Off the event loop: a huge prompt must not stall every other stream.
-        prompt_ids = await asyncio.to_thread(_render_chat, state.tokenizer, body.conversation())
+        prompt_ids = await asyncio.to_thread(render_chat, state.tokenizer, body)
+        prompt_ids = _truncated(prompt_ids, body.truncate_prompt_tokens)
         max_tokens = body.requested_max_tokens()
         state.check_context(len(prompt_ids), max_tokens, "messages")
         if max_tokens is None:  # as vLLM: whatever room the context leaves
@@ -63,19 +69,27 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
         params.validate_for_vocab(state.client.info.vocab_size)
     except ValueError as e:
         raise invalid_parameter(e) from None
-    return _prepared(state, body, [prompt_ids], params, chat=True, prefix="chatcmpl")
+    p = _prepared(state, body, [prompt_ids], params, chat=True, prefix="chatcmpl")
+    if body.echo_text():
+        p.echo = [body.echo_text()]
+    return p
 
 
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     state.check_model(body.model)
+    check_extra_fields(body.model_extra)
     check_completion_limits(body, state.settings.limits)
     state.check_ready()
     vocab = state.client.info.vocab_size
     try:
+        body.check_stream_options()
         if body.echo and body.logprobs is not None:
             raise ValueError("echo with logprobs is not supported (prompt logprobs)")
         texts = body.prompts()
-        prompts = await asyncio.to_thread(lambda: [_encode(state, p, vocab) for p in texts])
+        prompts = await asyncio.to_thread(
+            lambda: [_encode(state, p, vocab, body.add_special_tokens) for p in texts]
+        )
+        prompts = [_truncated(ids, body.truncate_prompt_tokens) for ids in prompts]
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         for ids in prompts:
             state.check_context(len(ids), max_tokens, "prompt")
@@ -89,12 +103,22 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
     return p
 
 
-def _render_chat(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
+def _truncated(ids: list[int], keep: int | None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens."""
+    return ids if keep is None else ids[-keep:]
+
+
+def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
     from jinja2 import TemplateError
 
+    options = _template_kwargs(tokenizer, body.chat_template_kwargs or {})
     try:
         text = tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=True
+            body.conversation(),
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            **options,
         )
     except TemplateError as e:
         # The model's template refused the conversation (its role rules, a role it does not
@@ -103,14 +127,31 @@ def _render_chat(tokenizer, conversation: list[dict[str, str]]) -> list[int]:
             400, f"messages: the model's chat template refused them: {e}", param="messages",
             code="invalid_value",
         ) from None  # fmt: skip
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
 
-def _encode(state: ServerState, prompt: str | list[int], vocab: int) -> list[int]:
+def _template_kwargs(tokenizer, kwargs: dict) -> dict:
+    """chat_template_kwargs become template variables; none may stand in for one of
+    apply_chat_template's own parameters (tokenize, the conversation, the template...)."""
+    import inspect
+
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    clashing = sorted(set(kwargs) & own)
+    if clashing:
+        raise APIError(
+            400,
+            f"chat_template_kwargs: {', '.join(clashing)} cannot be set this way",
+            param="chat_template_kwargs",
+            code="invalid_value",
+        )
+    return kwargs
+
+
+def _encode(state: ServerState, prompt: str | list[int], vocab: int, special: bool) -> list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return state.tokenizer.encode(prompt)
+        return state.tokenizer.encode(prompt, add_special_tokens=special)
     if not prompt or any(not 0 <= t < vocab for t in prompt):
         raise ValueError(f"prompt token ids must be a non-empty list of ids in [0, {vocab})")
     return list(prompt)
@@ -153,7 +194,15 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
     )
     # A response that never starts (the client left first) must still give its room back.
     weakref.finalize(run, reservation.release)
-    return Prepared(run, chat, response_id, int(time.time()), body.model, body.include_usage)
+    return Prepared(
+        run,
+        chat,
+        response_id,
+        int(time.time()),
+        body.model,
+        body.include_usage,
+        body.continuous_usage,
+    )
 
 
 # ---- streaming -----------------------------------------------------------------------------
@@ -161,8 +210,9 @@ async def stream_chunks(p: Prepared) -> AsyncIterator[dict]:
     """The chunk objects of a streaming response, in OpenAI's order."""
     offsets = [0] * p.num_choices  # text emitted per choice, for completion text_offset
     for i in range(p.num_choices):
-        if p.chat:  # the first delta of every choice carries the role
-            first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+        if p.chat:  # the first delta of every choice carries the role (and any echo)
+            delta = {"role": "assistant", "content": p.echo_text(i)}
+            first = {"index": i, "delta": delta, "logprobs": None}
             yield _chunk(p, [{**first, "finish_reason": None}])
         elif p.echo:
             offsets[i] = len(p.echo_text(i))
@@ -201,7 +251,7 @@ def _chunk(p: Prepared, choices: list[dict]) -> dict:
         "choices": choices,
     }
     if p.include_usage:
-        chunk["usage"] = None
+        chunk["usage"] = p.run.usage_so_far().as_dict() if p.continuous_usage else None
     return chunk
 
 

@@ -1,7 +1,9 @@
 """OpenAI request bodies (pydantic) and their translation into engine sampling parameters.
 
-Unknown fields are ignored, as the OpenAI API and vLLM do. Fields that only vLLM has (top_k,
-min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) are accepted as extensions.
+The models declare the fields specserve honours, vLLM's extensions among them (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, the chat-template options...).
+Anything else lands in ``model_extra`` and is refused by ``server.field_policy`` unless it is
+given its neutral value: no field is accepted and ignored.
 """
 
 from __future__ import annotations
@@ -12,10 +14,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.sampling import SamplingParams
 
+# Seeds are 64-bit signed integers, as in vLLM (torch.long).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _drop_nulls(data: Any) -> Any:
+    # Clients (and some chat UIs) send explicit nulls for fields they leave unset.
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None}
+    return data
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM: usage (so far) in every chunk, not only in the last one.
+    continuous_usage_stats: bool = False
+    # OpenAI's padding of deltas against length side channels; we send none, so only false.
+    include_obfuscation: Literal[False] = False
 
 
 class SpeculativeRequest(BaseModel):
@@ -29,15 +45,13 @@ class SpeculativeRequest(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by chat and text completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept in model_extra for server.field_policy to refuse.
+    model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        # Clients (and some chat UIs) send explicit nulls for fields they leave unset.
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
+        return _drop_nulls(data)
 
     model: str
     max_tokens: int | None = None
@@ -45,13 +59,20 @@ class _SamplingFields(BaseModel):
     top_p: float | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # End-user identifiers and cache hints: recorded nowhere, they change nothing, as they
+    # change nothing about the output in OpenAI's API either.
     user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # the prefix cache needs no key
+    # Attached to stored completions; specserve stores none (store is refused).
+    metadata: dict[str, str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    best_of: int | None = Field(None, ge=1)  # honoured only as n (refused otherwise)
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -60,6 +81,8 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     speculative: SpeculativeRequest | None = None
+    # vLLM: keep only the prompt's last k tokens.
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -70,6 +93,17 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            # As OpenAI and vLLM: the options only mean something for a stream.
+            raise ValueError("stream_options can only be given when stream is true")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}): best-of ranking is not implemented")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Engine parameters; raises ValueError naming the parameter when one is invalid."""
@@ -92,15 +126,44 @@ class _SamplingFields(BaseModel):
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
+# Message fields that only a tool- or audio-capable model would act on: refused unless empty.
+_REFUSED_MESSAGE_FIELDS = {
+    "tool_calls": "tool calling is not implemented",
+    "function_call": "tool calling is not implemented",
+    "audio": "audio is not implemented",
+    "refusal": "assistant refusals are not passed to the model",
+}
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
+    name: str | None = None  # handed to the chat template, which may use it
+    tool_call_id: str | None = None  # handed to the chat template
+    # What clients echo back from a response message; only the empty value is accepted.
+    annotations: list[Any] | None = Field(None, max_length=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        data = _drop_nulls(data)
+        if not isinstance(data, dict):
+            return data
+        for name, reason in _REFUSED_MESSAGE_FIELDS.items():
+            if data.get(name) not in (None, [], ""):
+                raise ValueError(f"`{name}` is not supported: {reason}")
+        content = data.get("content")
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(f"content parts of type {kind!r} are not supported (text only)")
+        return {k: v for k, v in data.items() if k not in _REFUSED_MESSAGE_FIELDS}
 
     def text(self) -> str:
         if self.content is None:
@@ -109,12 +172,28 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict[str, str]:
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Only means something together with tools, which are refused: either value asks nothing.
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat-template options
+    echo: bool = False  # prepend the last message's content when it is the assistant's
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # go on writing the last (assistant) message
+    add_special_tokens: bool = False  # the template writes the special tokens itself
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's newer name; either one may be given.
@@ -130,13 +209,28 @@ class ChatCompletionRequest(_SamplingFields):
         return self.top_logprobs or 0
 
     def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [m.for_template() for m in self.messages]
+
+    def check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt false (the last message "
+                "is continued, not answered)"
+            )
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+
+    def echo_text(self) -> str:
+        """vLLM's chat echo: the last message's content when it is the response's role."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. around a text prompt
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of the request: one string or token list per choice group."""

@@ -37,11 +37,17 @@ def completion_logprobs(tokenizer, tokens: list[SampledToken] | None, offset: in
     return {
         "tokens": texts,
         "token_logprobs": [t.logprob for t in tokens],
-        "top_logprobs": [
-            {token_text(tokenizer, i): lp for i, lp in (t.top_logprobs or [])} for t in tokens
-        ],
+        "top_logprobs": [_completion_top(tokenizer, t) for t in tokens],
         "text_offset": offsets,
     }
+
+
+def _completion_top(tokenizer, t: SampledToken) -> dict[str, float]:
+    """The legacy top_logprobs entry: the top tokens and, as OpenAI and vLLM do, the sampled
+    one too (so up to logprobs + 1 entries, and never empty)."""
+    top = {token_text(tokenizer, i): lp for i, lp in (t.top_logprobs or [])}
+    top.setdefault(token_text(tokenizer, t.token_id), t.logprob)
+    return top
 
 
 def merge_logprobs(parts: list[dict | None], chat: bool) -> dict | None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.core_process import AsyncEngineClient
 from server.auth import key_is_valid
+from server.cors import CorsSettings
 from server.errors import APIError
 from server.limits import RequestLimits
 from server.metrics import ServerMetrics
@@ -34,6 +35,7 @@ class ServerSettings:
     # event when streaming); None: no limit.
     request_timeout_s: float | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    cors: CorsSettings = field(default_factory=CorsSettings)
 
     @property
     def model_name(self) -> str:

@@ -137,6 +137,12 @@ class _Connection:
 def install_websocket(app: FastAPI, state: ServerState) -> None:
     @app.websocket("/v1/ws")
     async def websocket_endpoint(ws: WebSocket):
+        if not state.settings.cors.origin_allowed(ws.headers.get("origin")):
+            # Browsers let any page open a WebSocket anywhere; the allowed origins that CORS
+            # applies to fetch() apply here by this check (a close before accepting is a 403).
+            log.info("ws refused: origin %s is not allowed", ws.headers.get("origin"))
+            await ws.close(code=1008)
+            return
         # The Authorization header, or (browsers) the key offered as a subprotocol.
         offered = ws.scope.get("subprotocols") or []
         token = bearer_token(ws.headers.get("authorization")) or subprotocol_token(offered)
