@@ -126,6 +126,8 @@ class RequestDelta:
     # Wall-clock time.time() of the start of the step that first scheduled the request
     # (None if it was aborted before it was ever scheduled).
     first_scheduled_time: float | None = None
+    # RequestOutput.prompt_logprobs, in the first delta after the prompt has run (once).
+    prompt_logprobs: list | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class DeltaTracker:
     def __init__(self) -> None:
         self._first_scheduled: dict[str, float] = {}
         self._reported_finished: dict[str, set[int]] = {}
+        self._sent_prompt_logprobs: set[str] = set()
 
     def mark_scheduled(self, request_ids: Iterable[str], when: float) -> None:
         """Record ``when`` as the first-scheduled time of the requests not seen before."""
@@ -217,9 +220,13 @@ class DeltaTracker:
             finished=output.finished,
             first_scheduled_time=self._first_scheduled.get(rid),
         )
+        if output.prompt_logprobs is not None and rid not in self._sent_prompt_logprobs:
+            delta.prompt_logprobs = output.prompt_logprobs
+            self._sent_prompt_logprobs.add(rid)
         if output.finished:
             self._first_scheduled.pop(rid, None)
             self._reported_finished.pop(rid, None)
+            self._sent_prompt_logprobs.discard(rid)
         return delta
 
 

@@ -17,6 +17,7 @@ from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.prompt_logprobs import prompt_logprobs
 from engine.sampling import SampledToken, Sampler, SamplingParams, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -177,6 +178,7 @@ class Engine:
                 sampling_params=params,
                 generator=make_generator(seed),
                 speculative=speculative,
+                wants_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
             )
             request.seqs.append(seq)
         self.scheduler.add(request.seqs[0])
@@ -278,8 +280,10 @@ class Engine:
         if spec is None or spec.plain_step(scheduled, proposals):
             # No drafts to verify and nothing to observe: the plain autoregressive step.
             items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
+            wanted = _ask_prompt_logits(scheduled, items)
             started = time.perf_counter()
             logits = self.runner.run(items)
+            self._record_prompt_logprobs(wanted)
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
@@ -287,6 +291,7 @@ class Engine:
                 spec.observe_forward(items, time.perf_counter() - started, drafted=False)
         else:
             items = spec.forward_items(scheduled, completing, proposals)
+            wanted = _ask_prompt_logits(scheduled, items)
             hidden = None
             started = time.perf_counter()
             if spec.needs_target_hidden(scheduled):
@@ -296,6 +301,7 @@ class Engine:
                 logits, hidden = out.logits, out.hidden_states
             else:
                 logits = self.runner.run(items)
+            self._record_prompt_logprobs(wanted)
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
             )
@@ -308,6 +314,16 @@ class Engine:
             self.block_manager.mark_computed(s.seq, kept)
             self.block_manager.commit_full_blocks(s.seq)
         return {seq: self._append(seq, tokens) for seq, tokens in emitted}
+
+    def _record_prompt_logprobs(self, wanted: list[tuple[Sequence, range]]) -> None:
+        """The prompt logprobs of this step's prompt chunks, from the runner's extra rows."""
+        row = 0
+        for seq, positions in wanted:
+            logits = self.runner.extra_logits[row : row + len(positions)]
+            row += len(positions)
+            next_tokens = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
+            k = seq.sampling_params.prompt_logprobs
+            seq.prompt_logprobs.extend(prompt_logprobs(logits, next_tokens, k))
 
     def _append(self, seq: Sequence, tokens: list[SampledToken]) -> int:
         """Append tokens up to the first that ends the sequence; returns how many."""
@@ -358,7 +374,28 @@ class Engine:
                 for i, seq in enumerate(request.seqs)
             ],
             num_cached_prompt_tokens=request.seqs[0].num_prefix_hit_tokens,
+            prompt_logprobs=_prompt_logprobs_of(request.seqs[0]),
         )
+
+
+def _prompt_logprobs_of(seq: Sequence) -> list | None:
+    """The request's prompt logprobs once all are computed (None before, or if not asked)."""
+    if not seq.wants_prompt_logprobs or len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
+        return None
+    return [None, *seq.prompt_logprobs]
+
+
+def _ask_prompt_logits(scheduled: list[ScheduledSequence], items: list[ForwardItem]):
+    """Ask the runner for the logits of prompt positions whose prompt logprobs are wanted;
+    returns (sequence, positions) in the order the runner hands the extra rows back."""
+    wanted = []
+    for s, item in zip(scheduled, items, strict=True):
+        start = s.seq.num_computed_tokens
+        positions = s.seq.prompt_logprob_positions(start, s.num_new_tokens)
+        if positions:
+            item.extra_logit_rows = range(positions.start - start, positions.stop - start)
+            wanted.append((s.seq, positions))
+    return wanted
 
 
 def _forward_item(s: ScheduledSequence, completes: bool) -> ForwardItem:

@@ -33,6 +33,9 @@ class ForwardItem:
     # A token tree to verify instead of a chain (see engine.attention.SequenceSlice): token i
     # follows token tree_parents[i] (-1: the cached tokens) and sits at num_cached + its depth.
     tree_parents: Sequence[int] | None = None
+    # Further rows (offsets among this item's new tokens) whose logits are wanted apart from
+    # the regular ones: a prompt chunk's rows for prompt logprobs (see ModelRunner.forward).
+    extra_logit_rows: Sequence[int] = ()
 
 
 @dataclass
@@ -43,7 +46,8 @@ class FlatBatch:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
-    logits_rows: torch.Tensor
+    logits_rows: torch.Tensor  # the regular rows, then every item's extra rows
+    num_regular_rows: int
 
 
 class ModelRunner:
@@ -51,6 +55,8 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
+        # The last forward's logits of the items' extra rows, in item order (None: none asked).
+        self.extra_logits: torch.Tensor | None = None
 
     def run(self, items: Sequence[ForwardItem], **model_options) -> torch.Tensor:
         """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order.
@@ -64,14 +70,21 @@ class ModelRunner:
         """As ``run``, returning the model's output: the logits, and with ``hidden_layer`` the
         hidden states after that layer for the same rows."""
         batch = self.flatten(items)
-        return self.model(
+        out = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn,
             logits_indices=batch.logits_rows, **model_options,
         )  # fmt: skip
+        self.extra_logits = None
+        if out.logits is not None and len(batch.logits_rows) > batch.num_regular_rows:
+            # Callers index the regular rows from 0, so the extras come after them and are
+            # handed over on the side.
+            self.extra_logits = out.logits[batch.num_regular_rows :]
+            out.logits = out.logits[: batch.num_regular_rows]
+        return out
 
     def flatten(self, items: Sequence[ForwardItem]) -> FlatBatch:
         """The items as one flattened batch, with its attention plan."""
-        input_ids, positions, logits_rows, slices = [], [], [], []
+        input_ids, positions, logits_rows, slices, extra_rows = [], [], [], [], []
         row = 0
         for item in items:
             n = len(item.token_ids)
@@ -81,6 +94,7 @@ class ModelRunner:
             else:
                 positions.extend(item.num_cached + d for d in tree_depths(item.tree_parents))
             logits_rows.extend(range(row + n - item.num_logits, row + n))
+            extra_rows.extend(row + i for i in item.extra_logit_rows)
             slices.append(SequenceSlice(item.num_cached, n, item.block_table, item.tree_parents))
             row += n
         arch = self.model.arch
@@ -91,5 +105,6 @@ class ModelRunner:
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),
             attn,
-            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+            torch.tensor(logits_rows + extra_rows, dtype=torch.long, device=self.device),
+            len(logits_rows),
         )

@@ -115,6 +115,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of the prompt's tokens with this many alternatives each (engine.prompt_logprobs).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)  # a private copy the caller cannot mutate
@@ -134,7 +136,7 @@ class SamplingParams:
     def _check_types(self) -> None:
         for name in ("n", "top_k", "min_tokens"):
             _require(_is_int(getattr(self, name)), name, "an integer", getattr(self, name))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             _require(value is None or _is_int(value), name, "None or an integer", value)
         for name in _FLOAT_FIELDS:
@@ -162,6 +164,11 @@ class SamplingParams:
             (
                 "logprobs",
                 logprobs is None or 0 <= logprobs <= MAX_LOGPROBS,
+                f"None or in [0, {MAX_LOGPROBS}]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
                 f"None or in [0, {MAX_LOGPROBS}]",
             ),
             ("stop_token_ids", all(map(_is_token_id, self.stop_token_ids)), "ints >= 0"),

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.prompt_logprobs import PromptLogprob
 from engine.sampling import SampledToken, SamplingParams
 from engine.speculative_options import SpeculativeOptions
 
@@ -51,6 +52,10 @@ class Sequence:
     # Drafting for this sequence: "autoregressive" opts out; None follows the engine's decoder.
     speculative: SpeculativeOptions | None = None
     num_prefix_hit_tokens: int = 0  # prompt tokens reused from the prefix cache at admission
+    # The request's prompt logprobs are computed on this sequence (its first one), which is
+    # therefore never admitted from the prefix cache; entry j is prompt token j + 1's.
+    wants_prompt_logprobs: bool = False
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -67,6 +72,14 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    def prompt_logprob_positions(self, start: int, count: int) -> range:
+        """The positions among ``start .. start + count - 1`` whose logits give a prompt
+        logprob not yet computed (a recompute after preemption repeats none)."""
+        if not self.wants_prompt_logprobs:
+            return range(0)
+        first = max(start, len(self.prompt_logprobs))
+        return range(first, min(start + count, self.num_prompt_tokens - 1))
 
     def cache_state(self) -> CacheState:
         return CacheState(self.num_computed_tokens, self.block_table, self.num_preemptions)

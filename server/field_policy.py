@@ -68,7 +68,6 @@ REFUSED: dict[str, Refusal] = {
     "structured_outputs": Refusal(_CONSTRAINED),
     "structural_tag": Refusal(_CONSTRAINED),
     "bad_words": Refusal("banned words are not implemented yet", _empty),
-    "prompt_logprobs": Refusal("prompt logprobs are not implemented yet"),
     "allowed_token_ids": Refusal("restricting the vocabulary is not implemented"),
     "include_stop_str_in_output": Refusal(
         "stop strings are always left out of the output (only false)", _is(False)

@@ -66,6 +66,8 @@ class RequestRun:
     finish_reasons: dict[int, str] = field(default_factory=dict)
     # Completion tokens so far per choice (the text sent covers them), for usage mid-stream.
     token_counts: dict[int, int] = field(default_factory=dict)
+    # Per prompt, when asked for: [None, PromptLogprob, ...] (engine.prompt_logprobs).
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
     def usage_so_far(self) -> Usage:
         """Usage up to the last event (vLLM's continuous_usage_stats)."""
@@ -136,6 +138,8 @@ class RequestRun:
                     raise RequestTimeoutError(
                         f"the request ran past the server's limit of {self.timeout_s:g} s"
                     )
+                if delta.prompt_logprobs is not None:
+                    self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
                 if clock.on_delta(delta):
                     self.usage.prompt_tokens += len(prompt)
                     self.usage.cached_tokens += delta.num_cached_prompt_tokens

@@ -22,7 +22,13 @@ from server.field_policy import check_extra_fields
 from server.generation import ChoiceEvent, RequestRun
 from server.limits import check_chat_limits, check_completion_limits
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.responses import chat_logprobs, completion_logprobs, merge_logprobs
+from server.responses import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_completion_logprobs,
+    merge_logprobs,
+    prompt_logprobs_json,
+)
 from server.state import ServerState
 
 
@@ -36,6 +42,10 @@ class Prepared:
     include_usage: bool
     continuous_usage: bool = False  # usage so far in every chunk (vLLM's extension)
     echo: list[str] | None = None  # completions with echo: each prompt's text, per prompt
+    # Completions with echo and logprobs: the echoed prompt's tokens carry logprobs too, known
+    # once the prompt has run (so a stream sends each choice's echo before its first tokens).
+    echo_logprobs: int | None = None
+    show_prompt_logprobs: bool = False  # the request asked for vLLM's prompt_logprobs field
 
     def echo_text(self, index: int) -> str:
         return self.echo[index // self.run.params.n] if self.echo else ""
@@ -83,8 +93,6 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
     vocab = state.client.info.vocab_size
     try:
         body.check_stream_options()
-        if body.echo and body.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (prompt logprobs)")
         texts = body.prompts()
         prompts = await asyncio.to_thread(
             lambda: [_encode(state, p, vocab, body.add_special_tokens) for p in texts]
@@ -97,9 +105,13 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         params.validate_for_vocab(vocab)
     except ValueError as e:
         raise invalid_parameter(e) from None
+    echo_logprobs = body.logprobs if body.echo else None
+    if echo_logprobs is not None:  # OpenAI's echo with logprobs: the prompt's, from the engine
+        params.prompt_logprobs = max(echo_logprobs, params.prompt_logprobs or 0)
     p = _prepared(state, body, prompts, params, chat=False, prefix="cmpl")
     if body.echo:
         p.echo = [t if isinstance(t, str) else state.tokenizer.decode(t) for t in texts]
+        p.echo_logprobs = echo_logprobs
     return p
 
 
@@ -202,6 +214,7 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
         body.model,
         body.include_usage,
         body.continuous_usage,
+        show_prompt_logprobs=body.prompt_logprobs is not None,
     )
 
 
@@ -209,21 +222,39 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
 async def stream_chunks(p: Prepared) -> AsyncIterator[dict]:
     """The chunk objects of a streaming response, in OpenAI's order."""
     offsets = [0] * p.num_choices  # text emitted per choice, for completion text_offset
+    echo_later = set()  # choices whose echo waits for the prompt's logprobs
     for i in range(p.num_choices):
         if p.chat:  # the first delta of every choice carries the role (and any echo)
             delta = {"role": "assistant", "content": p.echo_text(i)}
             first = {"index": i, "delta": delta, "logprobs": None}
             yield _chunk(p, [{**first, "finish_reason": None}])
+        elif p.echo and p.echo_logprobs is not None:
+            echo_later.add(i)
         elif p.echo:
-            offsets[i] = len(p.echo_text(i))
-            echoed = {"index": i, "text": p.echo_text(i), "logprobs": None}
-            yield _chunk(p, [{**echoed, "finish_reason": None}])
+            yield _chunk(p, [_echo_choice(p, i, offsets)])
     async with contextlib.aclosing(p.run.events()) as events:
         async for e in events:
+            if e.index in echo_later:
+                echo_later.discard(e.index)
+                yield _chunk(p, [_echo_choice(p, e.index, offsets)])
             if e.text or e.finish_reason or e.logprobs:
                 yield _chunk(p, [_stream_choice(p, e, offsets)])
     if p.include_usage:
         yield {**_chunk(p, []), "usage": p.run.usage.as_dict()}
+
+
+def _echo_choice(p: Prepared, index: int, offsets: list[int]) -> dict:
+    offsets[index] = len(p.echo_text(index))
+    choice = {"index": index, "text": p.echo_text(index), "logprobs": _echo_logprobs(p, index)}
+    return {**choice, "finish_reason": None}
+
+
+def _echo_logprobs(p: Prepared, index: int) -> dict | None:
+    if p.echo_logprobs is None:
+        return None
+    prompt = p.run.prompts[index // p.run.params.n]
+    entries = p.run.prompt_logprobs.get(index // p.run.params.n) or [None] * len(prompt)
+    return echo_completion_logprobs(p.run.tokenizer, prompt, entries, p.echo_logprobs)
 
 
 def _stream_choice(p: Prepared, e: ChoiceEvent, offsets: list[int]) -> dict:
@@ -262,7 +293,7 @@ async def full_response(p: Prepared) -> dict:
         async for e in stream:
             events[e.index].append(e)
     choices = [_full_choice(p, i, evs) for i, evs in events.items()]
-    return {
+    response = {
         "id": p.response_id,
         "object": "chat.completion" if p.chat else "text_completion",
         "created": p.created,
@@ -270,6 +301,17 @@ async def full_response(p: Prepared) -> dict:
         "choices": choices,
         "usage": p.run.usage.as_dict(),
     }
+    if p.show_prompt_logprobs:
+        tokenizer = p.run.tokenizer
+        if p.chat:  # one prompt: on the response, as vLLM puts it
+            response["prompt_logprobs"] = prompt_logprobs_json(
+                tokenizer, p.run.prompt_logprobs.get(0)
+            )
+        else:  # on each choice, for that choice's prompt
+            for choice in choices:
+                entries = p.run.prompt_logprobs.get(choice["index"] // p.run.params.n)
+                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, entries)
+    return response
 
 
 def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
@@ -284,7 +326,7 @@ def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
             "logprobs": logprobs,
             "finish_reason": finish,
         }
-    parts, offset = [], len(p.echo_text(index))
+    parts, offset = [_echo_logprobs(p, index)], len(p.echo_text(index))
     for e in events:
         parts.append(completion_logprobs(tokenizer, e.logprobs, offset))
         offset += len(e.text)

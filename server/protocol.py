@@ -83,6 +83,8 @@ class _SamplingFields(BaseModel):
     speculative: SpeculativeRequest | None = None
     # vLLM: keep only the prompt's last k tokens.
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    # vLLM: each prompt token's logprob, rank and k alternatives (not when streaming).
+    prompt_logprobs: int | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -102,6 +104,8 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             # As OpenAI and vLLM: the options only mean something for a stream.
             raise ValueError("stream_options can only be given when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available when streaming (as in vLLM)")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}): best-of ranking is not implemented")
 
@@ -120,6 +124,7 @@ class _SamplingFields(BaseModel):
             "min_tokens": self.min_tokens,
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
+            "prompt_logprobs": self.prompt_logprobs,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, **kwargs)

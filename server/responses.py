@@ -42,12 +42,66 @@ def completion_logprobs(tokenizer, tokens: list[SampledToken] | None, offset: in
     }
 
 
+def echo_completion_logprobs(tokenizer, prompt: list[int], entries: list, k: int) -> dict:
+    """The echoed prompt's part of the legacy shape: null for the first token (nothing
+    precedes it), then each prompt token's logprob and its top ``k`` plus itself."""
+    texts = [token_text(tokenizer, t) for t in prompt]
+    offsets, position = [], 0
+    for text in texts:
+        offsets.append(position)
+        position += len(text)
+    logprobs, tops = [], []
+    for token_id, entry in zip(prompt, entries, strict=True):
+        if entry is None:
+            logprobs.append(None)
+            tops.append(None)
+            continue
+        top = {token_text(tokenizer, i): lp for i, lp in entry.top_logprobs[:k]}
+        top.setdefault(token_text(tokenizer, token_id), entry.logprob)
+        logprobs.append(entry.logprob)
+        tops.append(top)
+    return {
+        "tokens": texts,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
 def _completion_top(tokenizer, t: SampledToken) -> dict[str, float]:
     """The legacy top_logprobs entry: the top tokens and, as OpenAI and vLLM do, the sampled
     one too (so up to logprobs + 1 entries, and never empty)."""
     top = {token_text(tokenizer, i): lp for i, lp in (t.top_logprobs or [])}
     top.setdefault(token_text(tokenizer, t.token_id), t.logprob)
     return top
+
+
+def prompt_logprobs_json(tokenizer, entries: list | None) -> list[dict | None] | None:
+    """vLLM's shape: None for the first prompt token, then per token a dict keyed by token id
+    (the prompt token and its top alternatives) of {"logprob", "rank", "decoded_token"}."""
+    if entries is None:
+        return None
+
+    def one(entry) -> dict:
+        top = {
+            str(token_id): {
+                "logprob": lp,
+                "rank": rank,
+                "decoded_token": token_text(tokenizer, token_id),
+            }
+            for rank, (token_id, lp) in enumerate(entry.top_logprobs, start=1)
+        }
+        top.setdefault(
+            str(entry.token_id),
+            {
+                "logprob": entry.logprob,
+                "rank": entry.rank,
+                "decoded_token": token_text(tokenizer, entry.token_id),
+            },
+        )
+        return top
+
+    return [None if e is None else one(e) for e in entries]
 
 
 def merge_logprobs(parts: list[dict | None], chat: bool) -> dict | None:

@@ -84,7 +84,7 @@ class BlockManager:
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
     # ---- allocation --------------------------------------------------------------------
-    def allocate_prefix(self, seq: CachedSequence) -> int:
+    def allocate_prefix(self, seq: CachedSequence, lookup: bool = True) -> int:
         """Start a sequence's block table from the prefix cache; returns the tokens reused.
 
         Only blocks that end before the last token are looked up: that token must be
@@ -93,7 +93,7 @@ class BlockManager:
         """
         assert not seq.block_table, "sequence already has blocks"
         seq.num_computed_tokens = 0
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and lookup):
             return 0
         tokens = seq.token_ids
         parent = None

@@ -80,3 +80,63 @@ def test_stream_options_rules(client):
         )
     )
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 4
+
+
+def test_prompt_logprobs_agree_with_the_logprobs_of_generated_tokens(server, client):
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Once upon a"}).json()["tokens"]
+    first = client.completions.create(
+        model=MODEL, prompt=tokens, logprobs=1, **greedy(max_tokens=1)
+    )
+    generated = httpx.post(server.url + "/tokenize", json={"prompt": first.choices[0].text})
+    extended = tokens + generated.json()["tokens"]
+    r = client.completions.create(
+        model=MODEL, prompt=[tokens, extended], extra_body={"prompt_logprobs": 2}, **greedy()
+    )
+    short, long = (c.model_extra["prompt_logprobs"] for c in r.choices)
+    assert short[0] is None and len(short) == len(tokens)
+    for token, entry in zip(tokens[1:], short[1:], strict=True):
+        assert str(token) in entry and 2 <= len(entry) <= 3
+        assert entry[str(token)]["rank"] >= 1
+        assert sorted(e["rank"] for e in entry.values())[:2] == [1, 2]
+    for a, b in zip(long[1 : len(short)], short[1:], strict=True):  # batching moves floats
+        assert a.keys() == b.keys()
+        assert all(a[t]["logprob"] == pytest.approx(b[t]["logprob"], abs=1e-4) for t in a)
+    last = long[-1][str(extended[-1])]
+    assert last["logprob"] == pytest.approx(first.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    assert last["decoded_token"] == first.choices[0].text
+
+
+def test_prompt_logprobs_in_chat_and_not_when_streaming(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+        extra_body={"prompt_logprobs": 0}, **greedy(max_tokens=2),
+    )  # fmt: skip
+    entries = r.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == r.usage.prompt_tokens
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in entries[1:])
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL, prompt="Hi", stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    assert caught.value.body["param"] == "prompt_logprobs"
+
+
+def test_echo_with_logprobs_covers_the_prompt_tokens(server, client):
+    tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Once upon a"}).json()["tokens"]
+    r = client.completions.create(model=MODEL, prompt=tokens, echo=True, logprobs=2, **greedy())
+    lp = r.choices[0].logprobs
+    generated = r.usage.completion_tokens
+    assert len(lp.tokens) == len(tokens) + generated
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in lp.token_logprobs[1:])
+    pairs = zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True)
+    assert all(t in top and len(top) <= 3 for t, top in pairs)
+    assert "prompt_logprobs" not in r.choices[0].model_extra  # not asked for
+    streamed = list(
+        client.completions.create(
+            model=MODEL, prompt=tokens, echo=True, logprobs=2, stream=True, **greedy()
+        )
+    )
+    first = streamed[0].choices[0]
+    assert first.text == r.choices[0].text[: len(first.text)] and first.logprobs.tokens
+    assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(tokens)])

@@ -40,7 +40,6 @@ REFUSED_FIELDS = [
     ("structured_outputs", {"regex": "a+"}, None),
     ("structural_tag", "{}", None),
     ("bad_words", ["hello"], []),
-    ("prompt_logprobs", 1, None),
     ("allowed_token_ids", [1, 2, 3], None),
     ("include_stop_str_in_output", True, False),
     ("skip_special_tokens", False, True),

@@ -1,0 +1,136 @@
+"""A real browser (Playwright driving Debian's Chromium) on a page from another origin that
+streams a chat completion with fetch() and over the WebSocket, as chat front ends do.
+
+Skips with the reason when no Chromium is installed (Playwright's own browser download is
+not reachable here; `.ci/run` installs Debian's `chromium` when it can).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conformance.conftest import CHAT, MODEL, _start
+
+PAGES = Path(__file__).parent / "pages"
+KEY = "browser-key"
+BODY = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8}
+
+
+def _chromium() -> str | None:
+    candidates = [
+        os.environ.get("SPECSERVE_CHROMIUM"),
+        "/usr/lib/chromium/chromium",  # Debian's binary (/usr/bin/chromium is a shell wrapper)
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ]
+    return next((c for c in candidates if c and Path(c).is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Playwright's sync API for this module only: it keeps an event loop marked running on
+    the main thread while it lives, which would break every later test that calls
+    asyncio.run (so not pytest-playwright's session-wide fixtures)."""
+    path = _chromium()
+    if path is None:
+        pytest.skip(
+            "no Chromium installed (apt-get install chromium); Playwright cannot download one here"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context()
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+@pytest.fixture(scope="module")
+def page_origin():
+    """The page's own origin: a static file server on another port."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(PAGES))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_chat_model_dir, tmp_path_factory, page_origin):
+    """Only the page's origin (as 127.0.0.1) is allowed, with a key."""
+    proc = _start(
+        tiny_chat_model_dir,
+        tmp_path_factory,
+        "--allowed-origins",
+        f"http://127.0.0.1:{page_origin}",
+        "--api-key",
+        KEY,
+    )
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _open(page, host: str, port: int):
+    page.goto(f"http://{host}:{port}/client.html")
+    return page
+
+
+def test_a_page_on_another_origin_streams_a_chat(page, server, page_origin, client):
+    expected = client.chat.completions.create(**BODY).choices[0].message.content
+    _open(page, "127.0.0.1", page_origin)
+    streamed = page.evaluate("([api, body]) => streamChat(api, body)", [server.url, BODY])
+    assert streamed["status"] == 200 and streamed["done"] and streamed["chunks"] >= 2
+    assert streamed["text"] == expected
+    over_socket = page.evaluate("([api, body]) => socketChat(api, body)", [server.url, BODY])
+    assert over_socket == {"text": expected}
+
+
+def test_errors_reach_the_page_as_errors(page, server, page_origin):
+    _open(page, "127.0.0.1", page_origin)
+    refused = page.evaluate(
+        "([api, body]) => streamChat(api, body)", [server.url, {**BODY, "tools": [{"type": "x"}]}]
+    )
+    assert refused["status"] == 400 and refused["error"]["param"] == "tools"
+
+
+def test_only_the_allowed_origin_gets_through(page, guarded_server, page_origin):
+    url = guarded_server.url
+    _open(page, "127.0.0.1", page_origin)  # allowed
+    ok = page.evaluate("([api, body, key]) => streamChat(api, body, key)", [url, BODY, KEY])
+    assert ok["status"] == 200 and ok["text"]
+    no_key = page.evaluate("([api, body]) => streamChat(api, body)", [url, BODY])
+    assert no_key["status"] == 401 and no_key["error"]["code"] == "invalid_api_key"
+    socket = page.evaluate("([api, body, key]) => socketChat(api, body, key)", [url, BODY, KEY])
+    assert socket["text"] == ok["text"]
+
+    _open(page, "localhost", page_origin)  # the same server by another name: another origin
+    from playwright.sync_api import Error as PlaywrightError
+
+    with pytest.raises(PlaywrightError, match="Failed to fetch"):
+        page.evaluate("([api, body, key]) => streamChat(api, body, key)", [url, BODY, KEY])
+    with pytest.raises(PlaywrightError, match="WebSocket failed"):
+        page.evaluate("([api, body, key]) => socketChat(api, body, key)", [url, BODY, KEY])
