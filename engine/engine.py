@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import DecoderConfig, EngineConfig
+from engine.constraints import ConstraintFactory
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
 from engine.decoders.drafter_files import TRAINED_DECODERS, find_shipped_drafter
 from engine.decoders.gate import TargetConfidenceGate
@@ -56,6 +57,9 @@ class Engine:
         threads: ThreadGovernor | None = None,
     ):
         self.config = config
+        # Builds constrained sequences' matchers; create_engine sets it (it needs the model's
+        # tokenizer files, which an engine built from bare weights does not have).
+        self.constraints: ConstraintFactory | None = None
         self.threads = threads  # None: torch's thread count is left as it is
         self.model = model
         arch = model.arch
@@ -169,13 +173,14 @@ class Engine:
                 f"loaded: {', '.join(self.loaded_decoders)}"
             )
         request = Request(request_id, list(prompt_token_ids), params)
+        states = self._constraint_states(params)
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             seq = Sequence(
                 seq_id=f"{request_id}-{i}",
                 request_id=request_id,
                 prompt_token_ids=request.prompt_token_ids,
-                sampling_params=params,
+                sampling_params=params if states is None else params.for_sequence(states[i]),
                 generator=make_generator(seed),
                 speculative=speculative,
                 wants_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
@@ -184,6 +189,14 @@ class Engine:
         self.scheduler.add(request.seqs[0])
         request.held_back = request.seqs[1:]
         self.requests[request_id] = request
+
+    def _constraint_states(self, params: SamplingParams) -> list | None:
+        """One matcher per sequence of a constrained request (ValueError if unusable)."""
+        if params.constraint is None:
+            return None
+        if self.constraints is None:
+            raise ValueError("constrained decoding needs the model's tokenizer files")
+        return [self.constraints.state(params.constraint) for _ in range(params.n)]
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_token_ids)
@@ -438,5 +451,7 @@ def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):
     model_dir = resolve_model(config.model)
     # The rope table covers the model's full context; max_model_len only caps requests.
     model, hf_config = load_model(model_dir, DTYPES[config.dtype], config.device, None)
-    engine = Engine(config, model, eos_token_ids_of(model_dir, hf_config), threads)
+    eos = eos_token_ids_of(model_dir, hf_config)
+    engine = Engine(config, model, eos, threads)
+    engine.constraints = ConstraintFactory.for_model_dir(model_dir, model.arch.vocab_size, eos)
     return engine, model_dir

@@ -1,7 +1,8 @@
 """Sampling parameters, batched logits processing and the token sampler.
 
-`process_logits` turns raw model logits into the distribution a request asked for (vLLM order:
-min_tokens, logit bias, penalties, temperature, top-k, top-p, min-p). `Sampler` picks one token per
+`process_logits` turns raw model logits into the distribution a request asked for (an output
+constraint's mask first, then vLLM's order: min_tokens, logit bias, penalties, temperature,
+top-k, top-p, min-p). `Sampler` picks one token per
 row from it, drawing from each row's own generator so that seeded requests are reproducible
 whatever else shares the batch. A rejection sampler reuses `process_logits` and `probabilities`.
 """
@@ -10,11 +11,12 @@ import math
 import numbers
 import secrets
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
+from engine.constraints.spec import ConstraintSpec
 from engine.logits_processing import (
     NEG_INF,
     apply_count_penalties_,
@@ -117,6 +119,11 @@ class SamplingParams:
     logprobs: int | None = None
     # Logprobs of the prompt's tokens with this many alternatives each (engine.prompt_logprobs).
     prompt_logprobs: int | None = None
+    # Output held to a JSON schema, regex, choices or grammar (engine.constraints).
+    constraint: ConstraintSpec | None = None
+    # The engine's per-sequence matcher for ``constraint``: each sequence samples with its own
+    # copy of the parameters (``for_sequence``); never set by callers, never pickled across.
+    constraint_state: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)  # a private copy the caller cannot mutate
@@ -193,6 +200,12 @@ class SamplingParams:
         _require(not bad_values, "logit_bias values", "numbers in [-100, 100]", _listed(bad_values))
         return bias
 
+    def for_sequence(self, constraint_state) -> "SamplingParams":
+        """A copy of these parameters carrying one sequence's constraint matcher."""
+        copy = replace(self)
+        copy.constraint_state = constraint_state
+        return copy
+
     @property
     def greedy(self) -> bool:
         """True when the request wants the argmax token: temperature 0, or so close to it
@@ -239,7 +252,8 @@ def _filters(params: SamplingParams) -> bool:
 def _needs_processing(row: SamplingRow) -> bool:
     params = row.sampling_params
     return (
-        _masks_min_tokens(row)
+        params.constraint_state is not None
+        or _masks_min_tokens(row)
         or bool(params.logit_bias)
         or params.repetition_penalty != 1
         or params.presence_penalty != 0
@@ -263,11 +277,23 @@ def process_logits(
         return logits
     # Contiguous, because the penalty kernels index the flattened logits.
     out = logits.clone(memory_format=torch.contiguous_format)
+    # The constraint first: the distribution every later step sees is the constrained one.
+    _mask_by_constraints(out, rows)
     _mask_stops_before_min_tokens(out, rows, eos_token_ids)
     _add_logit_bias(out, rows)
     _apply_penalties(out, rows)
     _apply_temperature_and_filters(out, rows)
     return out
+
+
+def _mask_by_constraints(out: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    for i, row in enumerate(rows):
+        state = row.sampling_params.constraint_state
+        if state is None:
+            continue
+        allowed = state.allowed(row.output_token_ids)
+        if allowed is not None:
+            out[i, : allowed.shape[0]].masked_fill_(~allowed, NEG_INF)
 
 
 def _mask_stops_before_min_tokens(

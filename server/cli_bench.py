@@ -50,6 +50,14 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_constraints(args: argparse.Namespace) -> int:
+    from engine.tools.bench_constraints import run_constraints_bench
+
+    decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
+    run_constraints_bench(engine_config_from_args(args), decoders, args.max_tokens)
+    return 0
+
+
 def _cmd_bench_decoders(args: argparse.Namespace) -> int:
     return _run_decoder_bench(args, args.decoders or args.decoder or "all")
 
@@ -157,6 +165,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     decoders.add_argument("--no-hf", action="store_true", help="skip transformers")
     _add_decoder_bench_arguments(decoders)
     decoders.set_defaults(func=_cmd_bench_decoders)
+    constraints = which.add_parser(
+        "constraints",
+        help="mask cost per token of the grammar libraries installed, and JSON-schema chats "
+        "with and without speculation",
+    )
+    add_model_arguments(constraints)
+    constraints.add_argument(
+        "--decoders", default="ngram,eagle", help="comma-separated decoders to compare"
+    )
+    constraints.add_argument("--max-tokens", type=int, default=256)
+    constraints.set_defaults(func=_cmd_bench_constraints)
     serve = which.add_parser(
         "serve",
         help="concurrent streaming chat: throughput, TTFT and ITL vs transformers serve",

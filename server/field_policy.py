@@ -4,7 +4,7 @@ A client that asks for something (JSON output, tools, beam search) and gets free
 200 has been lied to; so every field of the OpenAI API and of vLLM's extensions that we do
 not honour is listed here with why, and a request that gives it a value other than its
 neutral one (the value that asks for nothing: ``use_beam_search: false``, ``tools: []``,
-``response_format: {"type": "text"}``) is refused. Fields that no API we follow defines are
+``tool_choice: "none"``) is refused. Fields that no API we follow defines are
 refused too, with OpenAI's own message ("Unrecognized request argument supplied"); explicit
 nulls count as absent everywhere. The README's compatibility table is checked against
 ``REFUSED`` by the tests.
@@ -33,16 +33,10 @@ def _empty(value: Any) -> bool:
     return value in ([], {}, "")
 
 
-def _text_format(value: Any) -> bool:
-    return value == {"type": "text"}
-
-
-_CONSTRAINED = "constrained decoding (JSON, regex, grammars) is not implemented yet"
 _NO_TOOLS = "tool calling is not implemented"
 
 REFUSED: dict[str, Refusal] = {
     # OpenAI fields
-    "response_format": Refusal(f"only {{'type': 'text'}}; {_CONSTRAINED}", _text_format),
     "tools": Refusal(_NO_TOOLS, _empty),
     "tool_choice": Refusal(_NO_TOOLS + " (only 'none')", _is("none")),
     "functions": Refusal(_NO_TOOLS, _empty),
@@ -59,14 +53,10 @@ REFUSED: dict[str, Refusal] = {
     # vLLM extensions
     "use_beam_search": Refusal("beam search is not implemented", _is(False)),
     "length_penalty": Refusal("it only applies to beam search (only 1.0)", _is(1.0, 1)),
-    "guided_json": Refusal(_CONSTRAINED),
-    "guided_regex": Refusal(_CONSTRAINED),
-    "guided_choice": Refusal(_CONSTRAINED),
-    "guided_grammar": Refusal(_CONSTRAINED),
-    "guided_decoding_backend": Refusal(_CONSTRAINED),
-    "guided_whitespace_pattern": Refusal(_CONSTRAINED),
-    "structured_outputs": Refusal(_CONSTRAINED),
-    "structural_tag": Refusal(_CONSTRAINED),
+    "guided_decoding_backend": Refusal(
+        "the grammar engine is llguidance (only 'auto' or 'guidance')", _is("auto", "guidance")
+    ),
+    "structural_tag": Refusal("structural tags (tool-call formats) are not implemented"),
     "bad_words": Refusal("banned words are not implemented yet", _empty),
     "allowed_token_ids": Refusal("restricting the vocabulary is not implemented"),
     "include_stop_str_in_output": Refusal(

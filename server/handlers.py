@@ -30,6 +30,7 @@ from server.responses import (
     prompt_logprobs_json,
 )
 from server.state import ServerState
+from server.structured_output import constraint_of
 
 
 @dataclass
@@ -75,7 +76,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
         state.check_context(len(prompt_ids), max_tokens, "messages")
         if max_tokens is None:  # as vLLM: whatever room the context leaves
             max_tokens = state.client.info.max_model_len - len(prompt_ids)
-        params = body.sampling_params(max_tokens, logprobs)
+        params = body.sampling_params(max_tokens, logprobs, constraint_of(body))
         params.validate_for_vocab(state.client.info.vocab_size)
     except ValueError as e:
         raise invalid_parameter(e) from None
@@ -101,7 +102,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         for ids in prompts:
             state.check_context(len(ids), max_tokens, "prompt")
-        params = body.sampling_params(max_tokens, body.logprobs)
+        params = body.sampling_params(max_tokens, body.logprobs, constraint_of(body))
         params.validate_for_vocab(vocab)
     except ValueError as e:
         raise invalid_parameter(e) from None

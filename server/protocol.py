@@ -85,6 +85,14 @@ class _SamplingFields(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=1)
     # vLLM: each prompt token's logprob, rank and k alternatives (not when streaming).
     prompt_logprobs: int | None = None
+    # Structured output (server.structured_output turns these into the engine's constraint).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_whitespace_pattern: str | None = None  # JSON's whitespace between tokens
 
     @property
     def stop_strings(self) -> list[str]:
@@ -109,7 +117,9 @@ class _SamplingFields(BaseModel):
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of must equal n ({self.n}): best-of ranking is not implemented")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, constraint=None
+    ) -> SamplingParams:
         """Engine parameters; raises ValueError naming the parameter when one is invalid."""
         given: dict[str, Any] = {
             "temperature": self.temperature,
@@ -127,7 +137,9 @@ class _SamplingFields(BaseModel):
             "prompt_logprobs": self.prompt_logprobs,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
-        return SamplingParams(n=self.n, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        return SamplingParams(
+            n=self.n, max_tokens=max_tokens, logprobs=logprobs, constraint=constraint, **kwargs
+        )
 
 
 class TextContentPart(BaseModel):

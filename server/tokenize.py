@@ -14,6 +14,11 @@ from server.handlers import render_chat
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
 
+_CHAT_TEMPLATE_FIELDS = {
+    "model", "messages", "add_generation_prompt", "continue_final_message",
+    "add_special_tokens", "chat_template_kwargs",
+}  # fmt: skip
+
 
 class TokenizeRequest(BaseModel):
     """A text prompt, or chat ``messages`` with the chat-template options of a completion."""
@@ -52,6 +57,8 @@ async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
 
 def _chat_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
     fields = body.model_dump(exclude={"prompt", "return_token_strs"}, exclude_none=True)
+    # Only what shapes the prompt: sampling fields here would be accepted and mean nothing.
+    check_extra_fields({k: v for k, v in fields.items() if k not in _CHAT_TEMPLATE_FIELDS})
     try:
         chat = ChatCompletionRequest.model_validate({**fields, "model": state.settings.model_name})
         check_extra_fields(chat.model_extra)

@@ -1,0 +1,114 @@
+"""One sequence's constraint matcher: the mask of allowed next tokens after any history."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.constraints.spec import ConstraintSpec
+
+
+class ConstraintState:
+    """An llguidance matcher kept in step with whatever history it is asked about.
+
+    Rows of one step ask about the sequence's output followed by different drafts (position j
+    of a chain, each node's path in a tree), and the next step's output keeps only some of
+    them: the matcher rolls back to the longest common prefix and consumes the rest, so each
+    question costs the tokens that differ, not the whole output.
+    """
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.consumed: list[int] = []
+        self._bits = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
+
+    def allowed(self, history: Sequence[int]) -> torch.Tensor | None:
+        """Bool [vocab] of the tokens the constraint allows after ``history``; None when the
+        history itself breaks the constraint (a rejected draft's row: it is never used, and
+        masking it whole would only make NaNs)."""
+        if not self._follow(list(history)):
+            return None
+        # Straight into our buffer (llguidance.torch would do the same, but importing it
+        # compiles kernels we do not use).
+        self.matcher.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
+        # Bit i of the mask is token i (little-endian words): unpack without a tensor op per bit.
+        unpacked = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(unpacked[: self.vocab_size].view(np.bool_))
+
+    def _follow(self, history: list[int]) -> bool:
+        """Bring the matcher to ``history``; False if it cannot get all the way there."""
+        common = _common_prefix(self.consumed, history)
+        if common < len(self.consumed):
+            self.matcher.rollback(len(self.consumed) - common)
+            del self.consumed[common:]
+        rest = history[common:]
+        if rest:
+            # try_consume stops at the first token the grammar refuses, without entering
+            # the matcher's (permanent) error state.
+            taken = self.matcher.try_consume_tokens(rest)
+            self.consumed.extend(rest[:taken])
+            return taken == len(rest)
+        return True
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    if len(a) <= len(b) and b[: len(a)] == a:
+        return len(a)  # the usual case: only new tokens to consume
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ConstraintFactory:
+    """Builds sequences' matchers for the engine; the llguidance tokenizer (about 0.3 s for a
+    50k vocabulary) is made from the model's tokenizer on first use."""
+
+    def __init__(
+        self,
+        load_tokenizer: Callable[[], object],
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+    ):
+        self._load_tokenizer = load_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = sorted(eos_token_ids)
+        self._tokenizer = None
+
+    @classmethod
+    def for_model_dir(cls, model_dir: Path, vocab_size: int, eos_token_ids: Collection[int]):
+        def load():
+            from engine.llm import load_tokenizer  # engine.llm imports the engine
+
+            return load_tokenizer(Path(model_dir))
+
+        return cls(load, vocab_size, eos_token_ids)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            hf_tokenizer = self._load_tokenizer()
+            if hf_tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer files")
+            self._tokenizer = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+            )
+        return self._tokenizer
+
+    def state(self, spec: ConstraintSpec) -> ConstraintState:
+        """A fresh matcher; raises ValueError naming what is wrong with the constraint."""
+        from llguidance import LLMatcher
+
+        error = spec.error(self.tokenizer)
+        if error:
+            raise ValueError(f"the output constraint is not usable: {error}")
+        return ConstraintState(
+            LLMatcher(self.tokenizer, spec.grammar(), log_level=0), self.vocab_size
+        )
