@@ -191,6 +191,9 @@ class EngineConfig(_Strict):
     # Threads of the products. None (auto): every core while the cores are free, one fewer per
     # core other processes keep busy (engine/thread_governor.py). A number fixes it.
     num_threads: int | None = Field(None, ge=1)
+    # Words and phrases no output contains, on top of each request's own (whole words, any
+    # casing; engine/constraints/banned.py says exactly what is guaranteed).
+    banned_words: list[str] = Field(default_factory=list)
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     decoder: DecoderConfig = Field(default_factory=DecoderConfig)

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import DecoderConfig, EngineConfig
-from engine.constraints import ConstraintFactory
+from engine.constraints import AllConstraints, ConstraintFactory, normalize_phrase
+from engine.constraints.banned import MAX_REWINDS
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
 from engine.decoders.drafter_files import TRAINED_DECODERS, find_shipped_drafter
 from engine.decoders.gate import TargetConfidenceGate
@@ -57,6 +58,7 @@ class Engine:
         threads: ThreadGovernor | None = None,
     ):
         self.config = config
+        self.num_rewinds = 0  # banned phrases removed by rewinding a sequence
         # Builds constrained sequences' matchers; create_engine sets it (it needs the model's
         # tokenizer files, which an engine built from bare weights does not have).
         self.constraints: ConstraintFactory | None = None
@@ -180,23 +182,36 @@ class Engine:
                 seq_id=f"{request_id}-{i}",
                 request_id=request_id,
                 prompt_token_ids=request.prompt_token_ids,
-                sampling_params=params if states is None else params.for_sequence(states[i]),
+                sampling_params=params if states is None else params.for_sequence(states[i][0]),
                 generator=make_generator(seed),
                 speculative=speculative,
                 wants_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
+                banned=None if states is None else states[i][1],
             )
             request.seqs.append(seq)
         self.scheduler.add(request.seqs[0])
         request.held_back = request.seqs[1:]
         self.requests[request_id] = request
 
-    def _constraint_states(self, params: SamplingParams) -> list | None:
-        """One matcher per sequence of a constrained request (ValueError if unusable)."""
-        if params.constraint is None:
+    def _constraint_states(self, params: SamplingParams) -> list[tuple] | None:
+        """Per sequence of a constrained request: (the state that masks its logits, its banned
+        phrases' state or None); None for an unconstrained request. ValueError if unusable."""
+        phrases = sorted(
+            {normalize_phrase(w) for w in self.config.banned_words + params.banned_words}
+        )
+        if params.constraint is None and not phrases:
             return None
         if self.constraints is None:
             raise ValueError("constrained decoding needs the model's tokenizer files")
-        return [self.constraints.state(params.constraint) for _ in range(params.n)]
+        states = []
+        for _ in range(params.n):
+            grammar = (
+                None if params.constraint is None else self.constraints.state(params.constraint)
+            )
+            banned = self.constraints.banned(phrases) if phrases else None
+            parts = [s for s in (grammar, banned) if s is not None]
+            states.append((parts[0] if len(parts) == 1 else AllConstraints(parts), banned))
+        return states
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         n = len(prompt_token_ids)
@@ -339,12 +354,27 @@ class Engine:
             seq.prompt_logprobs.extend(prompt_logprobs(logits, next_tokens, k))
 
     def _append(self, seq: Sequence, tokens: list[SampledToken]) -> int:
-        """Append tokens up to the first that ends the sequence; returns how many."""
+        """Append tokens up to the first that ends the sequence (or completes a banned phrase,
+        which rewinds it); returns how many."""
         count = 0
         for token in tokens:
             seq.append_token(token)
             count += 1
             reason = self._finish_reason(seq, token.token_id)
+            if seq.banned is not None:
+                rewind_to = seq.banned.check(seq.output_token_ids, final=reason is not None)
+                if rewind_to is not None:
+                    # Token by token, as plain decoding meets them: drafts accepted after the
+                    # phrase go with it.
+                    seq.banned.rewind(seq.output_token_ids, rewind_to)
+                    seq.truncate_output(rewind_to)
+                    self.num_rewinds += 1
+                    if seq.banned.num_rewinds > MAX_REWINDS:
+                        seq.truncate_output(seq.banned.stable)
+                        self.scheduler.finish(seq, "stop")
+                    else:
+                        self.scheduler.recompute(seq)
+                    break
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 break
@@ -377,8 +407,8 @@ class Engine:
                 CompletionOutput(
                     index=i,
                     all_token_ids=seq.output_token_ids,
-                    num_tokens=len(seq.output_token_ids),
-                    num_new_tokens=new_tokens.get(seq, 0),
+                    num_tokens=seq.num_visible_tokens,
+                    num_new_tokens=_report(seq),
                     finish_reason=seq.finish_reason,
                     all_logprobs=seq.output_logprobs
                     if seq.sampling_params.logprobs is not None
@@ -389,6 +419,14 @@ class Engine:
             num_cached_prompt_tokens=request.seqs[0].num_prefix_hit_tokens,
             prompt_logprobs=_prompt_logprobs_of(request.seqs[0]),
         )
+
+
+def _report(seq: Sequence) -> int:
+    """How many output tokens this output hands out for the first time."""
+    visible = seq.num_visible_tokens
+    new = max(0, visible - seq.num_reported_tokens)
+    seq.num_reported_tokens = visible
+    return new
 
 
 def _prompt_logprobs_of(seq: Sequence) -> list | None:

@@ -121,12 +121,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # Output held to a JSON schema, regex, choices or grammar (engine.constraints).
     constraint: ConstraintSpec | None = None
+    # Words and phrases the output never contains (engine.constraints.banned: whole words, any
+    # casing), on top of the engine config's list.
+    banned_words: list[str] = field(default_factory=list)
     # The engine's per-sequence matcher for ``constraint``: each sequence samples with its own
     # copy of the parameters (``for_sequence``); never set by callers, never pickled across.
     constraint_state: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)  # a private copy the caller cannot mutate
+        self.banned_words = list(self.banned_words)
         self.validate()
         if self.top_k == -1:
             self.top_k = 0
@@ -179,6 +183,11 @@ class SamplingParams:
                 f"None or in [0, {MAX_LOGPROBS}]",
             ),
             ("stop_token_ids", all(map(_is_token_id, self.stop_token_ids)), "ints >= 0"),
+            (
+                "banned_words",
+                all(isinstance(w, str) and any(map(str.isalnum, w)) for w in self.banned_words),
+                "strings with at least one letter or digit",
+            ),
         ]
         for name, ok, rule in ranges:
             _require(ok, name, rule, getattr(self, name))
@@ -291,9 +300,7 @@ def _mask_by_constraints(out: torch.Tensor, rows: Sequence[SamplingRow]) -> None
         state = row.sampling_params.constraint_state
         if state is None:
             continue
-        allowed = state.allowed(row.output_token_ids)
-        if allowed is not None:
-            out[i, : allowed.shape[0]].masked_fill_(~allowed, NEG_INF)
+        state.mask_(out[i], row.output_token_ids)
 
 
 def _mask_stops_before_min_tokens(

@@ -122,6 +122,15 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def recompute(self, seq: Sequence) -> None:
+        """Send a running sequence whose tokens changed (a rewind) back to be recomputed, as a
+        preemption does: its blocks are freed, the prefix cache gives back the full ones."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1  # the epoch: drafters forget what they kept for it
+        self.waiting.appendleft(seq)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence (stop, length or abort) and release its blocks."""
         if seq.status is SequenceStatus.RUNNING:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.constraints.banned import BannedPhrasesState
 from engine.prompt_logprobs import PromptLogprob
 from engine.sampling import SampledToken, SamplingParams
 from engine.speculative_options import SpeculativeOptions
@@ -55,6 +56,10 @@ class Sequence:
     # The request's prompt logprobs are computed on this sequence (its first one), which is
     # therefore never admitted from the prefix cache; entry j is prompt token j + 1's.
     wants_prompt_logprobs: bool = False
+    # Banned phrases (engine.constraints.banned): output tokens past ``banned.stable`` are held
+    # back from the outputs until they can no longer be rewound.
+    banned: BannedPhrasesState | None = None
+    num_reported_tokens: int = 0  # output tokens handed out in RequestOutputs so far
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
 
@@ -80,6 +85,20 @@ class Sequence:
             return range(0)
         first = max(start, len(self.prompt_logprobs))
         return range(first, min(start + count, self.num_prompt_tokens - 1))
+
+    @property
+    def num_visible_tokens(self) -> int:
+        """Output tokens that may be reported: all of them, unless banned phrases hold some
+        back (an unfinished sequence's tokens that a rewind could still remove)."""
+        if self.banned is None or self.is_finished:
+            return len(self.output_token_ids)
+        return self.banned.stable
+
+    def truncate_output(self, length: int) -> None:
+        """Drop the output tokens from ``length`` on (a banned phrase's rewind)."""
+        del self.token_ids[self.num_prompt_tokens + length :]
+        del self.output_token_ids[length:]
+        del self.output_logprobs[length:]
 
     def cache_state(self) -> CacheState:
         return CacheState(self.num_computed_tokens, self.block_table, self.num_preemptions)

@@ -102,8 +102,7 @@ class Speculator:
         """Whether a sequence of this step drafts with a decoder that reads the target's
         hidden states (they must see every step's, drafting or not)."""
         return self.reads_target_hidden and any(
-            (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden
-            for s in scheduled
+            (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden for s in scheduled
         )
 
     def plain_step(self, scheduled: list[ScheduledSequence], proposals: dict) -> bool:

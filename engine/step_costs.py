@@ -56,8 +56,9 @@ def _timings(runner, block_manager, sizes, context: int, repeats: int) -> dict[i
         for seq in scratch:
             block_manager.append_slots(seq, context + 1)
         return {
-            n: _fastest(runner, [ForwardItem([0], context, s.block_table, 1) for s in scratch[:n]],
-                        repeats)  # fmt: skip
+            n: _fastest(
+                runner, [ForwardItem([0], context, s.block_table, 1) for s in scratch[:n]], repeats
+            )  # fmt: skip
             for n in sizes
         }
     finally:

@@ -57,7 +57,11 @@ REFUSED: dict[str, Refusal] = {
         "the grammar engine is llguidance (only 'auto' or 'guidance')", _is("auto", "guidance")
     ),
     "structural_tag": Refusal("structural tags (tool-call formats) are not implemented"),
-    "bad_words": Refusal("banned words are not implemented yet", _empty),
+    "bad_words": Refusal(
+        "vLLM's bad_words matches token sequences; specserve's banned_words matches words on "
+        "the text (use it instead)",
+        _empty,
+    ),
     "allowed_token_ids": Refusal("restricting the vocabulary is not implemented"),
     "include_stop_str_in_output": Refusal(
         "stop strings are always left out of the output (only false)", _is(False)

@@ -24,6 +24,7 @@ class RequestLimits:
     max_stop_length: int = 512
     max_stop_token_ids: int = 1024
     max_logit_bias: int = 1024
+    max_banned_words: int = 256
     max_top_logprobs: int = 20
     max_messages: int = 1024
     max_content_parts: int = 256
@@ -37,6 +38,7 @@ DESCRIPTIONS = {
     "max_stop_length": "characters in one stop string",
     "max_stop_token_ids": "entries of stop_token_ids",
     "max_logit_bias": "entries of logit_bias",
+    "max_banned_words": "entries of banned_words (each at most max_stop_length characters)",
     "max_top_logprobs": "top_logprobs (chat) and logprobs (completions)",
     "max_messages": "messages in one chat request",
     "max_content_parts": "content parts in one message",
@@ -58,6 +60,11 @@ def check_sampling_limits(body, limits: RequestLimits) -> None:
         raise _too_many("stop", "stop strings", limits.max_stop)
     if any(len(s) > limits.max_stop_length for s in stops):
         raise _too_many("stop", "characters per stop string", limits.max_stop_length)
+    banned = body.banned_words or []
+    if len(banned) > limits.max_banned_words:
+        raise _too_many("banned_words", "entries", limits.max_banned_words)
+    if any(len(w) > limits.max_stop_length for w in banned):
+        raise _too_many("banned_words", "characters per entry", limits.max_stop_length)
     if body.stop_token_ids and len(body.stop_token_ids) > limits.max_stop_token_ids:
         raise _too_many("stop_token_ids", "token ids", limits.max_stop_token_ids)
     if body.logit_bias and len(body.logit_bias) > limits.max_logit_bias:

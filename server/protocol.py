@@ -93,6 +93,8 @@ class _SamplingFields(BaseModel):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_whitespace_pattern: str | None = None  # JSON's whitespace between tokens
+    # Extension: words and phrases the output never contains (whole words, any casing).
+    banned_words: list[str] | None = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -135,6 +137,7 @@ class _SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "stop_token_ids": self.stop_token_ids,
             "prompt_logprobs": self.prompt_logprobs,
+            "banned_words": self.banned_words,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(

@@ -9,7 +9,15 @@ breaks the constraint has probability zero and is rejected. The grammars run on 
 (docs/decoders.md says why it won over outlines-core on our machines).
 """
 
+from engine.constraints.banned import BannedPhrasesState, normalize_phrase
 from engine.constraints.spec import ConstraintSpec
-from engine.constraints.state import ConstraintFactory, ConstraintState
+from engine.constraints.state import AllConstraints, ConstraintFactory, ConstraintState
 
-__all__ = ["ConstraintFactory", "ConstraintSpec", "ConstraintState"]
+__all__ = [
+    "AllConstraints",
+    "BannedPhrasesState",
+    "ConstraintFactory",
+    "ConstraintSpec",
+    "ConstraintState",
+    "normalize_phrase",
+]

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.constraints.banned import BannedPhrasesState
 from engine.constraints.spec import ConstraintSpec
 
 
@@ -25,6 +26,12 @@ class ConstraintState:
         self.vocab_size = vocab_size
         self.consumed: list[int] = []
         self._bits = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
+
+    def mask_(self, logits: torch.Tensor, history: Sequence[int]) -> None:
+        """Set the logits (a [vocab] row) of the tokens not allowed after ``history`` to -inf."""
+        allowed = self.allowed(history)
+        if allowed is not None:
+            logits[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
 
     def allowed(self, history: Sequence[int]) -> torch.Tensor | None:
         """Bool [vocab] of the tokens the constraint allows after ``history``; None when the
@@ -65,6 +72,17 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+class AllConstraints:
+    """Several constraints on one sequence (a grammar and banned phrases): every mask applies."""
+
+    def __init__(self, states: Sequence):
+        self.states = list(states)
+
+    def mask_(self, logits: torch.Tensor, history: Sequence[int]) -> None:
+        for state in self.states:
+            state.mask_(logits, history)
+
+
 class ConstraintFactory:
     """Builds sequences' matchers for the engine; the llguidance tokenizer (about 0.3 s for a
     50k vocabulary) is made from the model's tokenizer on first use."""
@@ -79,6 +97,7 @@ class ConstraintFactory:
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = None
+        self._hf_tokenizer = None
 
     @classmethod
     def for_model_dir(cls, model_dir: Path, vocab_size: int, eos_token_ids: Collection[int]):
@@ -90,17 +109,31 @@ class ConstraintFactory:
         return cls(load, vocab_size, eos_token_ids)
 
     @property
+    def hf_tokenizer(self):
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = self._load_tokenizer()
+            if self._hf_tokenizer is None:
+                raise ValueError("constrained decoding needs the model's tokenizer files")
+        return self._hf_tokenizer
+
+    @property
     def tokenizer(self):
+        """The llguidance tokenizer."""
         if self._tokenizer is None:
             import llguidance.hf
 
-            hf_tokenizer = self._load_tokenizer()
-            if hf_tokenizer is None:
-                raise ValueError("constrained decoding needs the model's tokenizer files")
             self._tokenizer = llguidance.hf.from_tokenizer(
-                hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
             )
         return self._tokenizer
+
+    def banned(self, phrases: Sequence[str]) -> BannedPhrasesState:
+        tokenizer = self.hf_tokenizer
+
+        def decode(ids):
+            return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+        return BannedPhrasesState(list(phrases), decode)
 
     def state(self, spec: ConstraintSpec) -> ConstraintState:
         """A fresh matcher; raises ValueError naming what is wrong with the constraint."""

@@ -204,9 +204,7 @@ class EagleDrafter(ModelDrafter):
             1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim, dtype,
             self.device,
         )  # fmt: skip
-        self._logs: weakref.WeakKeyDictionary[Sequence, _FeatureLog] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._logs: weakref.WeakKeyDictionary[Sequence, _FeatureLog] = weakref.WeakKeyDictionary()
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs

@@ -114,9 +114,7 @@ class DecoderLayer(nn.Module):
         # The fused C++ layer ops (engine/kernels/layer_ops.cpp) serve float32 on the CPU;
         # the PyTorch ops below are the reference and serve everything else.
         self.fused_ops = (
-            input_norm.device.type == "cpu"
-            and input_norm.dtype == torch.float32
-            and load_kernels()
+            input_norm.device.type == "cpu" and input_norm.dtype == torch.float32 and load_kernels()
         )
 
     def forward(

@@ -161,7 +161,9 @@ def _q4_k(b: np.ndarray, n: int) -> StoredWeight:
     scale, minimum = _k_header(b)  # [blocks, 8]
     qs = b[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
     codes = (qs & 0x0F).reshape(-1, 8, 32)  # sub-block 2j: low nibbles, 2j + 1: high
-    return _weight("Q4_K", _pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1))  # noqa: E501
+    return _weight(
+        "Q4_K", _pack_nibbles(codes).reshape(n, -1), scale.reshape(n, -1), minimum.reshape(n, -1)
+    )  # noqa: E501
 
 
 def _q5_k(b: np.ndarray, n: int) -> StoredWeight:

@@ -78,7 +78,9 @@ def run_stored_linear_bench(config) -> None:
         for rows, times in result.seconds.items():
             winner = plan.get(rows, result.plan()[-1][1])
             cells = [
-                "-" if n not in times else f"{result.pass_bytes[rows] / times[n] / 1e9:.1f}"
+                "-"
+                if n not in times
+                else f"{result.pass_bytes[rows] / times[n] / 1e9:.1f}"
                 + ("*" if n == winner else "")
                 for n in names
             ]

@@ -186,9 +186,7 @@ def answer_features(model, answers: Answers, batch_tokens: int = 4096, progress=
     token (the positions whose next token is an answer token)."""
     per_sequence = sequence_features(model, answers.sequences, batch_tokens, progress)
     features, owners, where = [], [], []
-    for i, (tokens, start) in enumerate(
-        zip(answers.sequences, answers.answer_starts, strict=True)
-    ):
+    for i, (tokens, start) in enumerate(zip(answers.sequences, answers.answer_starts, strict=True)):
         features.append(per_sequence[i][start - 1 : len(tokens) - 1])
         owners += [i] * (len(tokens) - start)
         where += range(start - 1, len(tokens) - 1)

@@ -215,6 +215,4 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         expected += chain
         print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
               + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
-    return write_drafter(
-        "eagle", network, vocab, accuracies, model, options, int(len(labels)), run
-    )
+    return write_drafter("eagle", network, vocab, accuracies, model, options, int(len(labels)), run)

@@ -182,3 +182,28 @@ def test_openai_client_refuses_nothing_we_accept(client):
         client.chat.completions.create(
             model=MODEL, messages=CHAT, response_format={"type": "json_schema"}
         )
+
+
+def test_banned_words_hold_back_and_never_stream_the_phrase(server, client):
+    cat = httpx.post(server.url + "/tokenize", json={"prompt": " cat"}).json()["tokens"][-1]
+    tempt = {"logit_bias": {str(cat): 9}, "temperature": 1.0, "max_tokens": 30, "n": 4}
+    free = client.completions.create(model=MODEL, prompt="Once", seed=1, **tempt)
+    assert any(re.search(r"(?<!\w)cat(?!\w)", c.text) for c in free.choices)  # tempted
+    body = {"banned_words": ["Cat"]}
+    full = client.completions.create(model=MODEL, prompt="Once", seed=1, extra_body=body, **tempt)
+    chunks = client.completions.create(
+        model=MODEL, prompt="Once", seed=1, stream=True, extra_body=body, **tempt
+    )
+    streamed = ["", "", "", ""]
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    texts = [c.text for c in sorted(full.choices, key=lambda c: c.index)]
+    assert streamed == texts
+    assert not any(re.search(r"(?<!\w)cat(?!\w)", t, re.IGNORECASE) for t in texts)
+
+
+def test_banned_words_are_checked(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"banned_words": ["..."]})
+    assert caught.value.body["param"] == "banned_words"

@@ -1,0 +1,134 @@
+"""Banned words and phrases: matching on the text, and outputs that never contain them even
+when the model is pushed towards them, with speculation, grammars and batches."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.constraints import ConstraintSpec
+from engine.constraints.banned import normalize_phrase, scan
+from tests.tiny_models import save_perturbed_copy
+
+PHRASES = [normalize_phrase(p) for p in ["cat", "New  York"]]
+
+
+@pytest.mark.parametrize(
+    ("text", "final", "violation", "pending"),
+    [
+        ("the cat sat", False, 4, 11),
+        ("the cat", False, None, 4),  # is it "cat" or "category"? held back
+        ("the cat", True, 4, 7),  # the output ends: it was "cat"
+        ("the category", False, None, 12),
+        ("the CAT.", False, 4, 8),
+        ("the ca", False, None, 4),
+        ("I love new \n YORK!", False, 7, 18),
+        ("renew york.", False, None, 11),
+        ("new yorker", False, None, 10),
+        ("new yo", False, None, 0),
+        ("concat", True, None, 6),
+    ],
+)
+def test_scan_finds_whole_words_in_any_casing(text, final, violation, pending):
+    found = scan(text, PHRASES, 0, final)
+    assert (found.violation, found.pending) == (violation, pending)
+
+
+def _occurs(text: str, phrase: str) -> bool:
+    words = r"\s+".join(map(re.escape, phrase.split()))
+    return re.search(rf"(?<!\w){words}(?!\w)", text, flags=re.IGNORECASE) is not None
+
+
+@pytest.fixture(scope="module")
+def tempting(tiny_chat_model_dir):
+    """The tiny chat model pushed towards " cat" / "cat" / " the" by a logit bias."""
+    llm = LLM(model=str(tiny_chat_model_dir))
+    ids = {w: llm.tokenizer.encode(w, add_special_tokens=False) for w in [" cat", "cat", " the"]}
+    assert all(len(v) == 1 for v in ids.values()), ids
+    bias = {v[0]: 9.0 for v in ids.values()}
+    return llm, bias
+
+
+def _sample(llm, bias, banned, seeds, n=100, **kw):
+    texts = []
+    for seed in seeds:
+        params = SamplingParams(temperature=1.0, n=n, seed=seed * n, max_tokens=12,
+                                logit_bias=bias, banned_words=banned, **kw)  # fmt: skip
+        texts += [c.text for c in llm.generate(["Once"], params)[0].outputs]
+    return texts
+
+
+def test_a_thousand_tempted_samples_never_contain_the_phrase(tempting):
+    llm, bias = tempting
+    free = _sample(llm, bias, [], seeds=range(2))
+    assert sum(_occurs(t, "cat") for t in free) > 50  # the bias does tempt
+    banned = _sample(llm, bias, ["CAT", "the cat"], seeds=range(10))
+    assert len(banned) == 1000
+    assert not any(_occurs(t, "cat") or _occurs(t, "the cat") for t in banned)
+    assert llm.engine.num_rewinds > 0
+    assert any("cat" in t.lower() for t in banned)  # inside other words it stays allowed
+
+
+def test_with_speculation_greedy_is_identical_and_samples_stay_clean(
+    tempting, tiny_chat_model_dir, tmp_path_factory
+):
+    llm, bias = tempting
+    draft_dir = save_perturbed_copy(tiny_chat_model_dir, tmp_path_factory.mktemp("d") / "m", 0.02)
+    shutil.copy(tiny_chat_model_dir / "tokenizer.json", draft_dir / "tokenizer.json")
+    spec_llm = LLM(
+        model=str(tiny_chat_model_dir),
+        decoder={"method": "draft", "draft": {"model": str(draft_dir)},
+                 "draft_policy": "fixed", "num_speculative_tokens": 4},
+    )  # fmt: skip
+    prompts = ["Once", "The", "A cat"]
+    greedy = SamplingParams(temperature=0, max_tokens=24, logit_bias=bias, banned_words=["cat"])
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    drafted = [o.outputs[0].token_ids for o in spec_llm.generate(prompts, greedy)]
+    assert drafted == plain
+    sampled = _sample(spec_llm, bias, ["cat"], seeds=range(3))
+    assert not any(_occurs(t, "cat") for t in sampled)
+    assert spec_llm.engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_config_list_and_grammar_compose(tiny_chat_model_dir):
+    llm = LLM(model=str(tiny_chat_model_dir), banned_words=["cat"])
+    choice = ConstraintSpec("choice", ["cat", "dog", "cow"])
+    outs = llm.generate(
+        ["Pick"], SamplingParams(temperature=1.0, n=60, seed=3, max_tokens=6, constraint=choice)
+    )
+    texts = {c.text for c in outs[0].outputs}
+    assert texts <= {"dog", "cow"} and texts
+
+
+def test_nothing_leaks_after_rewinds(tempting):
+    llm, bias = tempting
+    _sample(llm, bias, ["cat"], seeds=[99], n=20)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_banned_words_are_validated():
+    with pytest.raises(ValueError, match="banned_words"):
+        SamplingParams(banned_words=["  ", "ok"])
+
+
+def test_a_model_set_on_a_phrase_ends_instead_of_rewinding_forever(tiny_chat_model_dir):
+    """Fault injection: bans that mask nothing, so every rewind meets the phrase again."""
+    from engine.constraints import banned
+
+    llm = LLM(model=str(tiny_chat_model_dir))
+    token = llm.tokenizer.encode(" cat", add_special_tokens=False)[0]
+    original = banned.BannedPhrasesState.mask_
+    banned.BannedPhrasesState.mask_ = lambda self, logits, history: None
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8, logit_bias={token: 100.0},
+                                banned_words=["cat"])  # fmt: skip
+        out = llm.generate(["Once"], params)[0].outputs[0]
+    finally:
+        banned.BannedPhrasesState.mask_ = original
+    assert out.finish_reason == "stop" and not _occurs(out.text, "cat")
+    assert llm.engine.num_rewinds == banned.MAX_REWINDS + 1
