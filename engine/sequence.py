@@ -90,8 +90,8 @@ class Sequence:
     def num_visible_tokens(self) -> int:
         """Output tokens that may be reported: all of them, unless banned phrases hold some
         back (an unfinished sequence's tokens that a rewind could still remove)."""
-        if self.banned is None or self.is_finished:
-            return len(self.output_token_ids)
+        if self.banned is None or (self.is_finished and self.finish_reason != "abort"):
+            return len(self.output_token_ids)  # a finished sequence's last token was checked
         return self.banned.stable
 
     def truncate_output(self, length: int) -> None:
