@@ -39,9 +39,9 @@ RUN useradd --create-home --uid 1000 specserve \
 # Pull the default model at build time into /models ($SPECSERVE_CACHE_DIR). pull.py needs only the
 # standard library plus the dependencies above, so this layer survives code changes elsewhere.
 COPY --chown=specserve:specserve engine/models/pull.py /tmp/specserve_pull.py
-USER specserve
+USER 1000
 RUN python /tmp/specserve_pull.py && rm /tmp/specserve_pull.py
-USER root
+USER 0
 
 # The project itself.
 COPY README.md ./
@@ -51,14 +51,20 @@ COPY configs ./configs
 RUN pip install --no-deps .
 
 # Compile the kernels into the model cache now, so the first start does not wait for them.
-USER specserve
+USER 1000
 RUN python -m engine.kernels.build
-USER root
+USER 0
 
 COPY docker/entrypoint.sh /usr/local/bin/specserve-entrypoint
 RUN chmod 755 /usr/local/bin/specserve-entrypoint
 
-USER specserve
+USER 1000
 EXPOSE 8000
+# The model cache (the default model pulled above, compiled kernels, autotune results): mount a
+# volume here to keep what a run pulls or tunes.
+VOLUME ["/models"]
+# 200 once the engine can serve (503 while it loads or restarts).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=180s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status != 200)"]
 ENTRYPOINT ["specserve-entrypoint"]
 CMD ["serve", "--host", "0.0.0.0", "--port", "8000"]
