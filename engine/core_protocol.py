@@ -111,6 +111,7 @@ class ChoiceDelta:
     index: int
     new_token_ids: list[int]
     new_logprobs: list[SampledToken] | None = None  # None unless the request asked for logprobs
+    new_sources: list[str] | None = None  # None unless it asked for provenance
     finish_reason: str | None = None
 
 
@@ -241,6 +242,7 @@ def _choice_delta(completion: CompletionOutput, reported: set[int]) -> ChoiceDel
         index=completion.index,
         new_token_ids=completion.new_token_ids,
         new_logprobs=completion.new_logprobs,
+        new_sources=completion.new_sources,
         finish_reason=completion.finish_reason if newly_finished else None,
     )
 

@@ -20,6 +20,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_logprobs import prompt_logprobs
+from engine.provenance import PLAIN
 from engine.sampling import SampledToken, Sampler, SamplingParams, make_generator
 from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -315,6 +316,7 @@ class Engine:
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
+            sources = {seq: [PLAIN] for seq in rows if seq.sampling_params.return_provenance}
             if spec is not None:  # the step as the policy weighs it: forward and sampling
                 spec.observe_forward(items, time.perf_counter() - started, drafted=False)
         else:
@@ -333,6 +335,7 @@ class Engine:
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
             )
+            sources = self.speculator.last_sources
             # Forward and verification: a step with drafts pays for both.
             spec.observe_forward(items, time.perf_counter() - started, drafted=bool(proposals))
         for s in scheduled:
@@ -341,7 +344,7 @@ class Engine:
             kept = s.num_new_tokens + accepted_drafts.get(s.seq, 0)
             self.block_manager.mark_computed(s.seq, kept)
             self.block_manager.commit_full_blocks(s.seq)
-        return {seq: self._append(seq, tokens) for seq, tokens in emitted}
+        return {seq: self._append(seq, tokens, sources.get(seq)) for seq, tokens in emitted}
 
     def _record_prompt_logprobs(self, wanted: list[tuple[Sequence, range]]) -> None:
         """The prompt logprobs of this step's prompt chunks, from the runner's extra rows."""
@@ -353,12 +356,16 @@ class Engine:
             k = seq.sampling_params.prompt_logprobs
             seq.prompt_logprobs.extend(prompt_logprobs(logits, next_tokens, k))
 
-    def _append(self, seq: Sequence, tokens: list[SampledToken]) -> int:
+    def _append(
+        self, seq: Sequence, tokens: list[SampledToken], sources: list[str] | None = None
+    ) -> int:
         """Append tokens up to the first that ends the sequence (or completes a banned phrase,
         which rewinds it); returns how many."""
         count = 0
-        for token in tokens:
+        for i, token in enumerate(tokens):
             seq.append_token(token)
+            if sources is not None:
+                seq.output_sources.append(sources[i])
             count += 1
             reason = self._finish_reason(seq, token.token_id)
             if seq.banned is not None:
@@ -412,6 +419,9 @@ class Engine:
                     finish_reason=seq.finish_reason,
                     all_logprobs=seq.output_logprobs
                     if seq.sampling_params.logprobs is not None
+                    else None,
+                    all_sources=seq.output_sources
+                    if seq.sampling_params.return_provenance
                     else None,
                 )
                 for i, seq in enumerate(request.seqs)

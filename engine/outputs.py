@@ -25,6 +25,17 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     all_logprobs: list[SampledToken] | None = None  # as all_token_ids
     text: str = ""  # filled by callers that detokenize (LLM, server)
+    all_sources: list[str] | None = None  # as all_token_ids (engine.provenance), if asked
+
+    @property
+    def sources(self) -> list[str] | None:
+        return None if self.all_sources is None else self.all_sources[: self.num_tokens]
+
+    @property
+    def new_sources(self) -> list[str] | None:
+        if self.all_sources is None:
+            return None
+        return self.all_sources[self.num_tokens - self.num_new_tokens : self.num_tokens]
 
     @property
     def token_ids(self) -> list[int]:

@@ -124,6 +124,9 @@ class SamplingParams:
     # Words and phrases the output never contains (engine.constraints.banned: whole words, any
     # casing), on top of the engine config's list.
     banned_words: list[str] = field(default_factory=list)
+    # Record where each output token came from (engine.provenance): for playgrounds and
+    # debugging, not for the output itself.
+    return_provenance: bool = False
     # The engine's per-sequence matcher for ``constraint``: each sequence samples with its own
     # copy of the parameters (``for_sequence``); never set by callers, never pickled across.
     constraint_state: Any = field(default=None, init=False, repr=False, compare=False)

@@ -60,6 +60,8 @@ class Sequence:
     # back from the outputs until they can no longer be rewound.
     banned: BannedPhrasesState | None = None
     num_reported_tokens: int = 0  # output tokens handed out in RequestOutputs so far
+    # With SamplingParams.return_provenance: each output token's source (engine.provenance).
+    output_sources: list[str] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
     token_ids: list[int] = field(init=False)
 
@@ -99,6 +101,7 @@ class Sequence:
         del self.token_ids[self.num_prompt_tokens + length :]
         del self.output_token_ids[length:]
         del self.output_logprobs[length:]
+        del self.output_sources[length:]
 
     def cache_state(self) -> CacheState:
         return CacheState(self.num_computed_tokens, self.block_table, self.num_preemptions)

@@ -24,6 +24,7 @@ from engine.decoders.gate import TargetConfidenceGate
 from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import BlockManager, KVCache
 from engine.model_runner import ForwardItem
+from engine.provenance import sources_of_run
 from engine.rejection_sampler import DraftRun, RejectionSampler
 from engine.sampling import SampledToken
 from engine.scheduler import ScheduledSequence
@@ -91,6 +92,7 @@ class Speculator:
         self._step_draft_seconds = 0.0
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()  # all decoders together
+        self.last_sources: dict = {}  # verify(): each sequence's token sources, if it asked
         self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
 
     @property
@@ -228,7 +230,8 @@ class Speculator:
         proposals: dict[Sequence, Proposal],
         hidden: torch.Tensor | None = None,
     ) -> tuple[list[tuple[Sequence, list[SampledToken]]], dict[Sequence, int]]:
-        """Accept drafts: returns each completing sequence's new tokens, and how many of each
+        """Accept drafts: returns each completing sequence's new tokens (with their sources,
+        engine.provenance, in ``self.last_sources``), and how many of each
         drafting sequence's drafts stood (the engine marks them computed, with the step's
         tokens, and releases the rest). ``hidden``: the target's last-layer hidden states of
         every token row, for decoders that read them.
@@ -248,6 +251,11 @@ class Speculator:
             seqs.append(s)
         verified = self.rejection_sampler(logits, runs)
         results, accepted, paths = [], {}, {}
+        self.last_sources = {
+            s.seq: sources_of_run(len(run.draft_token_ids), v.path, run.parents)
+            for s, run, v in zip(seqs, runs, verified, strict=True)
+            if s.seq.sampling_params.return_provenance
+        }
         for s, run, v in zip(seqs, runs, verified, strict=True):
             k = len(run.draft_token_ids)
             if run.parents is not None:

@@ -9,9 +9,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from sse_starlette.sse import EventSourceResponse
 
 from server.auth import bearer_token
@@ -39,6 +40,7 @@ from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, toke
 from server.websocket import install_websocket
 
 log = logging.getLogger("specserve.requests")
+PLAYGROUND = Path(__file__).parent / "static" / "playground.html"
 
 
 def create_app(settings: ServerSettings) -> FastAPI:
@@ -67,6 +69,14 @@ def create_app(settings: ServerSettings) -> FastAPI:
             return Response(status_code=200)
         return JSONResponse(error_body(503, "engine not ready"), status_code=503)
 
+    @app.get("/playground", include_in_schema=False)
+    async def playground():
+        return HTMLResponse(PLAYGROUND.read_text())
+
+    @app.get("/", include_in_schema=False)
+    async def home():
+        return RedirectResponse("/playground")
+
     @app.get("/version")
     async def version():
         return {"version": _version()}
@@ -85,6 +95,7 @@ def create_app(settings: ServerSettings) -> FastAPI:
         }
         if state.client.info is not None:
             card["max_model_len"] = state.client.info.max_model_len
+            card["decoders"] = list(state.client.info.decoders)  # for "speculative.method"
         return card
 
     @app.get("/v1/models", dependencies=[Depends(authorized)])

@@ -27,6 +27,7 @@ class ChoiceEvent:
     token_ids: list[int]
     logprobs: list[SampledToken] | None
     finish_reason: str | None = None  # "stop" | "length"
+    sources: list[str] | None = None  # with return_provenance: per token its source
 
 
 @dataclass
@@ -169,10 +170,15 @@ class RequestRun:
             text += detok.finish(drop_last_token=c.finish_reason == "stop")
             finish = c.finish_reason  # "stop" or "length"
         self.token_counts[index] = detok.token_count
-        logprobs = c.new_logprobs
-        if logprobs is not None:  # only the tokens the text covers (none past a stop string)
-            logprobs = logprobs[: detok.token_count - counted]
-        return ChoiceEvent(index, text, list(c.new_token_ids), logprobs, finish)
+        logprobs, sources = c.new_logprobs, c.new_sources
+        covered = detok.token_count - counted  # the tokens the text covers (none past a stop)
+        if logprobs is not None:
+            logprobs = logprobs[:covered]
+        if sources is not None:
+            sources = sources[:covered]
+        event = ChoiceEvent(index, text, list(c.new_token_ids[:covered]), logprobs, finish)
+        event.sources = sources
+        return event
 
     def _finish(self, index: int, reason: str, detok: IncrementalDetokenizer) -> None:
         self.finish_reasons[index] = reason

@@ -28,6 +28,7 @@ from server.responses import (
     echo_completion_logprobs,
     merge_logprobs,
     prompt_logprobs_json,
+    provenance_json,
 )
 from server.state import ServerState
 from server.structured_output import constraint_of
@@ -238,7 +239,7 @@ async def stream_chunks(p: Prepared) -> AsyncIterator[dict]:
             if e.index in echo_later:
                 echo_later.discard(e.index)
                 yield _chunk(p, [_echo_choice(p, e.index, offsets)])
-            if e.text or e.finish_reason or e.logprobs:
+            if e.text or e.finish_reason or e.logprobs or e.sources:
                 yield _chunk(p, [_stream_choice(p, e, offsets)])
     if p.include_usage:
         yield {**_chunk(p, []), "usage": p.run.usage.as_dict()}
@@ -271,6 +272,8 @@ def _stream_choice(p: Prepared, e: ChoiceEvent, offsets: list[int]) -> dict:
         logprobs = completion_logprobs(tokenizer, e.logprobs, offsets[e.index])
         choice = {"index": e.index, "text": e.text, "logprobs": logprobs}
         offsets[e.index] += len(e.text)
+    if e.sources is not None:
+        choice["provenance"] = provenance_json(tokenizer, e.token_ids, e.sources)
     return {**choice, "finish_reason": e.finish_reason}
 
 
@@ -319,6 +322,11 @@ def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
     text = p.echo_text(index) + "".join(e.text for e in events)
     finish = p.run.finish_reasons.get(index)
     tokenizer = p.run.tokenizer
+    provenance = None
+    if p.run.params.return_provenance:
+        token_ids = [t for e in events for t in e.token_ids]
+        sources = [s for e in events for s in (e.sources or [])]
+        provenance = {"provenance": provenance_json(tokenizer, token_ids, sources)}
     if p.chat:
         logprobs = merge_logprobs([chat_logprobs(tokenizer, e.logprobs) for e in events], chat=True)
         return {
@@ -326,6 +334,7 @@ def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
             "message": {"role": "assistant", "content": text},
             "logprobs": logprobs,
             "finish_reason": finish,
+            **(provenance or {}),
         }
     parts, offset = [_echo_logprobs(p, index)], len(p.echo_text(index))
     for e in events:
@@ -336,4 +345,5 @@ def _full_choice(p: Prepared, index: int, events: list[ChoiceEvent]) -> dict:
         "text": text,
         "logprobs": merge_logprobs(parts, chat=False),
         "finish_reason": finish,
+        **(provenance or {}),
     }

@@ -95,6 +95,9 @@ class _SamplingFields(BaseModel):
     guided_whitespace_pattern: str | None = None  # JSON's whitespace between tokens
     # Extension: words and phrases the output never contains (whole words, any casing).
     banned_words: list[str] | None = None
+    # Extension: each choice also lists its tokens with where each came from (a plain step, an
+    # accepted draft, a resampled rejection, a bonus token; engine/provenance.py).
+    return_provenance: bool = False
 
     @property
     def stop_strings(self) -> list[str]:
@@ -138,6 +141,7 @@ class _SamplingFields(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "prompt_logprobs": self.prompt_logprobs,
             "banned_words": self.banned_words,
+            "return_provenance": self.return_provenance,
         }
         kwargs = {k: v for k, v in given.items() if v is not None}
         return SamplingParams(

@@ -104,6 +104,16 @@ def prompt_logprobs_json(tokenizer, entries: list | None) -> list[dict | None] |
     return [None if e is None else one(e) for e in entries]
 
 
+def provenance_json(tokenizer, token_ids: list[int], sources: list[str]) -> list[dict]:
+    """The return_provenance extension: each token's own text and its source. The choice's
+    text stays the authoritative output (a character split across tokens shows in neither
+    token's text alone)."""
+    return [
+        {"token": token_text(tokenizer, t), "source": s}
+        for t, s in zip(token_ids, sources, strict=True)
+    ]
+
+
 def merge_logprobs(parts: list[dict | None], chat: bool) -> dict | None:
     """Concatenate the per-event logprobs of one choice for a non-streaming response."""
     present = [p for p in parts if p is not None]

@@ -134,3 +134,59 @@ def test_only_the_allowed_origin_gets_through(page, guarded_server, page_origin)
         page.evaluate("([api, body, key]) => streamChat(api, body, key)", [url, BODY, KEY])
     with pytest.raises(PlaywrightError, match="WebSocket failed"):
         page.evaluate("([api, body, key]) => socketChat(api, body, key)", [url, BODY, KEY])
+
+
+ARTIFACTS = Path(
+    os.environ.get("SPECSERVE_TEST_ARTIFACTS", Path(__file__).parents[2] / "test-artifacts")
+)
+
+
+@pytest.fixture(scope="module")
+def drafting_server(tiny_chat_model_dir, tmp_path_factory):
+    """A server that loads a draft model next to the tiny chat model, so speculation shows."""
+    import shutil as sh
+
+    from tests.tiny_models import save_perturbed_copy
+
+    draft = save_perturbed_copy(tiny_chat_model_dir, tmp_path_factory.mktemp("draft") / "m", 0.02)
+    sh.copy(tiny_chat_model_dir / "tokenizer.json", draft / "tokenizer.json")
+    proc = _start(
+        tiny_chat_model_dir, tmp_path_factory, "--extra-decoders", "draft",
+        "--draft-model", str(draft), "--draft-policy", "fixed",
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_playground_streams_and_colours_tokens_by_provenance(page, drafting_server):
+    page.goto(drafting_server.url + "/")  # redirects to /playground
+    assert page.url.endswith("/playground")
+    page.wait_for_function("document.querySelectorAll('#decoder option').length >= 2")
+    page.select_option("#decoder", "draft")
+    page.fill("#temperature", "0")
+    page.fill("#max_tokens", "40")
+    page.fill("#prompt", "Tell me a story about a lighthouse.")
+    page.click("#send")
+    answer = page.locator(".turn .text[data-done=true]")
+    answer.wait_for(timeout=60_000)
+    spans = answer.locator("span.tok")
+    sources = spans.evaluate_all("spans => spans.map(s => s.className.split(' ')[1])")
+    assert len(sources) == 40 and set(sources) <= {"plain", "accepted", "resampled", "bonus"}
+    assert "accepted" in sources  # the draft model's drafts are often accepted
+    stats = page.locator(".turn .stats").last.inner_text()
+    assert "40 tokens" in stats and "tokens per step" in stats
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+
+
+def test_playground_shows_errors(page, server):
+    page.goto(server.url + "/playground")
+    page.wait_for_function("document.querySelectorAll('#model option').length >= 1")
+    page.fill("#max_tokens", "100000")  # beyond the context: a 400 the page must show
+    page.fill("#prompt", "Hi")
+    page.click("#send")
+    error = page.locator(".turn .text.error")
+    error.wait_for(timeout=30_000)
+    assert "maximum context length" in error.inner_text()

@@ -140,3 +140,20 @@ def test_echo_with_logprobs_covers_the_prompt_tokens(server, client):
     first = streamed[0].choices[0]
     assert first.text == r.choices[0].text[: len(first.text)] and first.logprobs.tokens
     assert first.logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1 : len(tokens)])
+
+
+def test_provenance_is_opt_in_and_covers_every_token(client):
+    plain = client.completions.create(model=MODEL, prompt="Hi", **greedy())
+    assert "provenance" not in (plain.choices[0].model_extra or {})
+    r = client.completions.create(
+        model=MODEL, prompt="Hi", extra_body={"return_provenance": True}, **greedy()
+    )
+    entries = r.choices[0].model_extra["provenance"]
+    assert len(entries) == r.usage.completion_tokens
+    assert {e["source"] for e in entries} == {"plain"}  # no decoder drafts on this server
+    assert "".join(e["token"] for e in entries) == r.choices[0].text
+    chunks = client.completions.create(
+        model=MODEL, prompt="Hi", stream=True, extra_body={"return_provenance": True}, **greedy()
+    )
+    streamed = [e for c in chunks for ch in c.choices for e in ch.model_extra.get("provenance", [])]
+    assert streamed == entries
