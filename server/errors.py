@@ -83,7 +83,9 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     errors = exc.errors()
     first = errors[0] if errors else {}
     param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(exc)
+    # Our own validators' messages come as "Value error, <message>": the message is enough.
+    detail = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    message = f"{param}: {detail}" if param else str(exc)
     return APIError(400, message, param=param, code="invalid_value")
 
 

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling import SamplingParams
 
 # Seeds are 64-bit signed integers, as in vLLM (torch.long).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _drop_nulls(data: Any) -> Any:
@@ -252,6 +256,28 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt_form(cls, value: Any) -> Any:
+        # pydantic would report the first union member's complaint ("prompt.str: ..."); say
+        # which forms exist instead.
+        forms = (
+            isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+            or (isinstance(value, list) and all(_is_token(v) for v in value))
+            or (
+                isinstance(value, list)
+                and all(isinstance(v, list) and all(map(_is_token, v)) for v in value)
+            )
+        )
+        if not forms:
+            raise ValueError(
+                "prompt must be a string, a list of strings, a list of token ids or a list of "
+                "token-id lists"
+            )
+        return value
+
     logprobs: int | None = None
     echo: bool = False
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. around a text prompt

@@ -157,3 +157,14 @@ def test_provenance_is_opt_in_and_covers_every_token(client):
     )
     streamed = [e for c in chunks for ch in c.choices for e in ch.model_extra.get("provenance", [])]
     assert streamed == entries
+
+
+def test_a_prompt_of_no_known_form_says_which_forms_exist(server):
+    for prompt in (["a", [1, 2]], 5, [[1, "x"]], [1.5]):
+        r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": prompt})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == "prompt"
+        assert error["message"] == (
+            "prompt: prompt must be a string, a list of strings, a list of token ids or a list "
+            "of token-id lists"
+        )
