@@ -291,11 +291,23 @@ def process_logits(
     out = logits.clone(memory_format=torch.contiguous_format)
     # The constraint first: the distribution every later step sees is the constrained one.
     _mask_by_constraints(out, rows)
+    constrained = (
+        out.clone() if any(_masks_min_tokens(r) for r in rows) and _has_constraints(rows) else None
+    )
     _mask_stops_before_min_tokens(out, rows, eos_token_ids)
+    if constrained is not None:
+        # A constraint that can only end here (a complete JSON document) wins over
+        # min_tokens: a row with no token left would have no distribution at all.
+        dead = torch.isinf(out).all(dim=-1) & ~torch.isinf(constrained).all(dim=-1)
+        out[dead] = constrained[dead]
     _add_logit_bias(out, rows)
     _apply_penalties(out, rows)
     _apply_temperature_and_filters(out, rows)
     return out
+
+
+def _has_constraints(rows: Sequence[SamplingRow]) -> bool:
+    return any(row.sampling_params.constraint_state is not None for row in rows)
 
 
 def _mask_by_constraints(out: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

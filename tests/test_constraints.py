@@ -170,3 +170,15 @@ def test_sampled_constrained_output_follows_the_masked_target(
     observed = torch.tensor([counts[c] for c in CHOICES], dtype=torch.float64)
     expected = torch.tensor([exact[c] for c in CHOICES], dtype=torch.float64)
     assert chi_square_p_value(observed, expected) > 1e-3, (counts, exact)
+
+
+def test_a_constraint_that_can_only_end_wins_over_min_tokens(llm):
+    """min_tokens masks the end; a complete choice allows only the end: no row may be left
+    without a token (it would have no distribution), so the constraint wins."""
+    choice = ConstraintSpec("choice", ["yes", "no"])
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(
+            temperature=temperature, seed=1, max_tokens=20, min_tokens=10, constraint=choice
+        )
+        out = llm.generate(["Answer:"], params)[0].outputs[0]
+        assert out.text in ("yes", "no") and out.finish_reason == "stop"
