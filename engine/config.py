@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
@@ -19,9 +26,13 @@ class _Strict(BaseModel):
 
 class KVCacheConfig(_Strict):
     block_size: int = Field(16, ge=1)
-    # Exactly sized when set; otherwise sized from ``memory_gib``.
+    # Exactly sized when set; otherwise sized from ``memory_gib`` on the CPU and from
+    # ``gpu_memory_utilization`` on a GPU.
     num_blocks: int | None = Field(None, ge=1)
     memory_gib: float = Field(1.0, gt=0)
+    # On a GPU (vLLM's meaning): the share of the device's whole memory this engine may hold,
+    # weights and activations included; the KV cache gets what the loaded model leaves of it.
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     enable_prefix_caching: bool = True
 
 
@@ -187,7 +198,12 @@ class DecoderConfig(_Strict):
 class EngineConfig(_Strict):
     model: str = "smollm2-135m-instruct"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # "cpu", or a CUDA device ("cuda", "cuda:1"): the whole engine (weights, KV cache,
+    # sampling) runs there.
     device: str = "cpu"
+    # On a GPU: run every step eagerly instead of replaying CUDA graphs of decode and
+    # verification steps (vLLM's flag; for debugging and for comparing the two).
+    enforce_eager: bool = False
     # Threads of the products. None (auto): every core while the cores are free, one fewer per
     # core other processes keep busy (engine/thread_governor.py). A number fixes it.
     num_threads: int | None = Field(None, ge=1)
@@ -197,6 +213,15 @@ class EngineConfig(_Strict):
     kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     decoder: DecoderConfig = Field(default_factory=DecoderConfig)
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, device: str) -> str:
+        kind, colon, index = device.partition(":")
+        numbered = kind == "cuda" and index.isdigit()
+        if kind not in ("cpu", "cuda") or (colon and not numbered):
+            raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
+        return device
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

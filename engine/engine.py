@@ -71,18 +71,16 @@ class Engine:
             arch.max_position_embeddings,
         )
         kv = config.kv_cache
-        num_blocks = kv.num_blocks or max(
-            1,
-            int(kv.memory_gib * 2**30)
-            // bytes_per_block(
-                arch.num_layers, kv.block_size, arch.num_kv_heads, arch.head_dim, model.dtype
-            ),
+        block_bytes = bytes_per_block(
+            arch.num_layers, kv.block_size, arch.num_kv_heads, arch.head_dim, model.dtype
         )
+        num_blocks = kv.num_blocks or kv_cache_blocks(config, block_bytes, self.max_model_len)
         if num_blocks * kv.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache holds {num_blocks * kv.block_size} tokens, less than "
                 f"max_model_len {self.max_model_len}: raise kv_cache size or lower max_model_len"
             )
+        graphs = torch.device(config.device).type == "cuda" and not config.enforce_eager
         self.kv_cache = KVCache(
             arch.num_layers,
             num_blocks,
@@ -91,6 +89,8 @@ class Engine:
             arch.head_dim,
             model.dtype,
             config.device,
+            # One block no sequence gets, for the padding of CUDA graphs' fixed-shape steps.
+            scratch_blocks=int(graphs),
         )
         self.block_manager = BlockManager(num_blocks, kv.block_size, kv.enable_prefix_caching)
         sched = config.scheduler
@@ -485,6 +485,40 @@ def _as_id_set(value) -> set[int]:
     if value is None:
         return set()
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+# Device memory a GPU engine leaves out of its KV caches: the drafters' weights (copies of
+# the target, draft models) and a step's activations.
+GPU_HEADROOM_BYTES = 2 * 2**30
+
+
+def kv_cache_blocks(config: EngineConfig, block_bytes: int, max_model_len: int) -> int:
+    """The KV cache's size in blocks: ``memory_gib`` on the CPU. On a GPU, vLLM's rule, the
+    share ``gpu_memory_utilization`` of the device's memory less what is allocated already
+    (the model) and a headroom; half of that, since drafters keep caches as long as the
+    target's for their own layers; and never more than every sequence at full length."""
+    kv = config.kv_cache
+    device = torch.device(config.device)
+    if device.type != "cuda":
+        return max(1, int(kv.memory_gib * 2**30) // block_bytes)
+    total = torch.cuda.get_device_properties(device).total_memory
+    allocated = torch.cuda.memory_allocated(device)
+    budget = gpu_kv_cache_bytes(total, allocated, kv.gpu_memory_utilization)
+    full = config.scheduler.max_num_seqs * -(-max_model_len // kv.block_size)
+    return max(1, min(budget // 2 // block_bytes, full))
+
+
+def gpu_kv_cache_bytes(total: int, allocated: int, utilization: float) -> int:
+    """What a GPU engine may give its KV caches: the share ``utilization`` of ``total`` less
+    what is ``allocated`` and ``GPU_HEADROOM_BYTES``."""
+    budget = int(total * utilization) - allocated - GPU_HEADROOM_BYTES
+    if budget <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} leaves no room for a KV cache: "
+            f"{allocated / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB are in use and "
+            f"{GPU_HEADROOM_BYTES / 2**30:.0f} GiB are kept for drafters and activations"
+        )
+    return budget
 
 
 def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):

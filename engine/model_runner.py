@@ -18,6 +18,7 @@ from engine.attention import (
     build_attention_metadata,
     tree_depths,
 )
+from engine.cuda_graphs import CudaGraphs
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel, ModelOutput
 
@@ -57,6 +58,9 @@ class ModelRunner:
         self.device = torch.device(device)
         # The last forward's logits of the items' extra rows, in item order (None: none asked).
         self.extra_logits: torch.Tensor | None = None
+        # Decode and verification steps replay CUDA graphs on a GPU whose cache has a scratch
+        # slot for their padding (the engine leaves it out under enforce_eager).
+        self.graphs = CudaGraphs(model, kv_cache) if CudaGraphs.usable(model, kv_cache) else None
 
     def run(self, items: Sequence[ForwardItem], **model_options) -> torch.Tensor:
         """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order.
@@ -69,6 +73,11 @@ class ModelRunner:
     def forward(self, items: Sequence[ForwardItem], **model_options) -> ModelOutput:
         """As ``run``, returning the model's output: the logits, and with ``hidden_layer`` the
         hidden states after that layer for the same rows."""
+        if self.graphs is not None:
+            replayed = self.graphs.run(items, model_options)
+            if replayed is not None:
+                self.extra_logits = None  # steps with extra rows are not replayed
+                return _real_rows_of(items, *replayed, model_options)
         batch = self.flatten(items)
         out = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn,
@@ -108,3 +117,23 @@ class ModelRunner:
             torch.tensor(logits_rows + extra_rows, dtype=torch.long, device=self.device),
             len(logits_rows),
         )
+
+
+def _real_rows_of(
+    items: Sequence[ForwardItem], padded: ModelOutput, real_rows: torch.Tensor, options: dict
+) -> ModelOutput:
+    """A replayed graph's output cut to what ``forward`` returns: the rows that want logits
+    (and their hidden states, or every real row's with ``all_hidden``)."""
+    logit_rows, row = [], 0
+    for item in items:
+        n = len(item.token_ids)
+        logit_rows.extend(range(row + n - item.num_logits, row + n))
+        row += n
+    device = padded.hidden_states.device if padded.logits is None else padded.logits.device
+    real = real_rows.to(device, non_blocking=True)
+    wanted = real[torch.tensor(logit_rows, dtype=torch.long, device=device)]
+    logits = None if padded.logits is None else padded.logits.index_select(0, wanted)
+    hidden = padded.hidden_states
+    if hidden is not None:
+        hidden = hidden.index_select(0, real if options.get("all_hidden") else wanted)
+    return ModelOutput(logits=logits, hidden_states=hidden)

@@ -22,6 +22,20 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--model", help="model name, local HF directory, .gguf file or hub id")
     p.add_argument(
+        "--device", help="cpu (the default), cuda or cuda:N: where the whole engine runs"
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="on a GPU, run every step eagerly instead of replaying CUDA graphs",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="activations' and dense weights' dtype (default float32; bfloat16 on a GPU)",
+    )
+    p.add_argument(
         "--decoder",
         help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
         "layerskip, hierarchical, medusa, hydra, eagle or kangaroo",
@@ -62,6 +76,16 @@ def engine_config_from_args(args: argparse.Namespace):
 
     config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
     overrides: dict = {"model": args.model} if args.model else {}
+    if getattr(args, "device", None):
+        overrides["device"] = args.device
+        # On a GPU the half-precision path is the one its tensor cores run; float32 stays
+        # available with --dtype float32.
+        if not args.dtype and args.device.startswith("cuda") and not args.config:
+            overrides["dtype"] = "bfloat16"
+    if getattr(args, "enforce_eager", None):
+        overrides["enforce_eager"] = True
+    if getattr(args, "dtype", None):
+        overrides["dtype"] = args.dtype
     if getattr(args, "threads", None):
         overrides["num_threads"] = args.threads
     decoder = {

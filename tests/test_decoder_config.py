@@ -150,3 +150,22 @@ def test_drafters_read_the_cache_through_cache_state_only():
     scheduler_fields = re.compile(r"num_computed_tokens|num_preemptions|[A-Za-z_]\.block_table")
     for path in Path(engine.decoders.__file__).parent.glob("*.py"):
         assert not scheduler_fields.findall(path.read_text()), path.name
+
+
+def test_device_names_are_checked():
+    from engine.config import EngineConfig
+
+    for device in ("cpu", "cuda", "cuda:1"):
+        assert EngineConfig(device=device).device == device
+    for device in ("gpu", "cpu:0", "cuda:x", "cuda:"):
+        with pytest.raises(ValueError, match="expected cpu, cuda or cuda:N"):
+            EngineConfig.from_dict({"device": device})
+
+
+def test_gpu_kv_cache_budget_follows_vllm_utilization_rule():
+    from engine.engine import GPU_HEADROOM_BYTES, gpu_kv_cache_bytes
+
+    gib = 2**30
+    assert gpu_kv_cache_bytes(80 * gib, 1 * gib, 0.9) == int(72 * gib) - gib - GPU_HEADROOM_BYTES
+    with pytest.raises(ValueError, match="leaves no room for a KV cache"):
+        gpu_kv_cache_bytes(80 * gib, 70 * gib, 0.9)

@@ -56,6 +56,7 @@ def draft_kv_cache(model, shares_target_cache: bool, target: TargetContext) -> K
         arch.head_dim,
         model.dtype,
         target.device,
+        scratch_blocks=cache.scratch_blocks,
     )
 
 

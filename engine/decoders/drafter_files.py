@@ -129,5 +129,8 @@ def build_readout(model, draft_vocab: torch.Tensor) -> nn.Module:
     """The target's LM head rows of the draft vocabulary, int8."""
     from engine.models.draft_copies import dense_weight, quantized_dense
 
-    rows = dense_weight(model.lm_head)[draft_vocab]
+    rows = dense_weight(model.lm_head)[draft_vocab.to(model.final_norm.device)]
+    if rows.device.type != "cpu":
+        # On a GPU, bfloat16 rows run on the tensor cores; int8 would be dequantized per call.
+        return quantized_dense(rows, None, "bfloat16", model)
     return quantized_dense(rows, None, "int8", model)

@@ -76,8 +76,9 @@ class TrainedHeadsDecoder:
     reads_target_hidden = True
 
     def __init__(self, drafter: TrainedDrafter, target, readout: nn.Module):
-        self.heads = drafter.network
-        self.draft_vocab = drafter.draft_vocab
+        device = target.model.final_norm.device  # the heads read the target's hidden states
+        self.heads = drafter.network.to(device)
+        self.draft_vocab = drafter.draft_vocab.to(device)
         self.model = target.model
         self.readout = readout
         self.tree = rank_tree(drafter.accuracies)

@@ -28,12 +28,22 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        scratch_blocks: int = 0,
     ):
+        """``scratch_blocks`` more blocks follow the ``num_blocks`` that sequences get: the
+        padding rows of a CUDA graph's fixed-shape step write their K/V there."""
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim)
+        self.scratch_blocks = scratch_blocks
+        total = num_blocks + scratch_blocks
+        shape = (num_layers, 2, total * block_size, num_kv_heads, head_dim)
         self.storage = torch.zeros(shape, dtype=dtype, device=device)
         self.layers = [(self.storage[i, 0], self.storage[i, 1]) for i in range(num_layers)]
+
+    @property
+    def scratch_slot(self) -> int | None:
+        """A slot no sequence ever holds (None without scratch blocks)."""
+        return self.num_blocks * self.block_size if self.scratch_blocks else None
 
     @property
     def nbytes(self) -> int:

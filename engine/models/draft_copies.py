@@ -39,7 +39,7 @@ class Int8Linear(nn.Module):
         self.scale = scale.to(torch.bfloat16)
         self.bias = bias
         self.nbytes = self.weight.numel() + self.scale.numel() * 2
-        self._fused = hasattr(torch.ops.aten, "_weight_int8pack_mm")
+        self._fused = w.device.type == "cpu" and hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused:

@@ -213,6 +213,7 @@ class LlamaModel(nn.Module):
         return sum(getattr(m, "nbytes", 0) for m in self.modules() if m is not self)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        input_ids = input_ids.to(self.final_norm.device)  # drafters may look up CPU ids
         if isinstance(self.embed_tokens, StoredWeight):
             rows = dequantize(self.embed_tokens.select_rows(input_ids))
             return rows.to(self.dtype)

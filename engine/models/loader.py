@@ -23,7 +23,7 @@ from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, LlamaModel, ModelArchitecture
 from engine.models.quantized_linear import QuantizedLinear, StackedLinear
 from engine.models.rope import RotaryEmbedding, interleave_rope_rows
-from engine.models.weight_formats import StoredWeight, cat_rows
+from engine.models.weight_formats import StoredWeight, cat_rows, dequantize_torch
 
 Weight = torch.Tensor | StoredWeight
 
@@ -169,8 +169,13 @@ def _tensor_getter(
         if name not in state_dict:
             raise KeyError(f"checkpoint has no tensor {name!r}")
         w = state_dict[name]
+        if isinstance(w, StoredWeight) and torch.device(device).type == "cpu":
+            return w
         if isinstance(w, StoredWeight):
-            return w.to(device)
+            # On a GPU the dense product (cuBLAS on tensor cores) is the fast one and there is
+            # no quantized GPU kernel here: stored blocks are dequantized once, on the device,
+            # to the model's dtype (the values transformers' GGUF loader gives, cast alike).
+            return dequantize_torch(w.to(device)).to(dtype)
         return w.to(device=device, dtype=dtype)
 
     return get

@@ -47,16 +47,26 @@ class Result:
     ttft_s: float | None = None
 
 
-def measure_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+def measure_read_bandwidth(
+    num_bytes: int = 1 << 30, repeats: int = 5, device: torch.device | str = "cpu"
+) -> float:
     """Bytes/s of a streaming read (a sum over a tensor far larger than the caches)."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    device = torch.device(device)
+    data = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     data.sum()
     best = float("inf")
     for _ in range(repeats):
+        _synchronize(device)
         start = time.perf_counter()
         data.sum()
+        _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return num_bytes / best
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def chat_prompts(llm: LLM, count: int) -> list[list[int]]:
@@ -104,36 +114,43 @@ def ours_ttft(llm: LLM, prompt: list[int], repeats: int = 3) -> float:
 def hf_decode(hf, prompts: list[list[int]], max_tokens: int, pad_id: int) -> float:
     """transformers generate(): left-padded batch; decode rate excludes the first token."""
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=hf.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf.device
+    )
     kwargs = dict(do_sample=False, attention_mask=mask, pad_token_id=pad_id)
     with torch.inference_mode():
+        hf.generate(ids, max_new_tokens=2, min_new_tokens=2, **kwargs)  # warm-up (GPU kernels)
         start = time.perf_counter()
         hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+        _synchronize(hf.device)
         first = time.perf_counter() - start
         start = time.perf_counter()
         hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, **kwargs)
+        _synchronize(hf.device)
         total = time.perf_counter() - start
     return len(prompts) * (max_tokens - 1) / max(total - first, 1e-9)
 
 
 def hf_ttft(hf, prompt: list[int], repeats: int = 3) -> float:
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=hf.device)
     times = []
     with torch.inference_mode():
         for _ in range(repeats):
             start = time.perf_counter()
             hf.generate(ids, max_new_tokens=1, do_sample=False, attention_mask=torch.ones_like(ids))
+            _synchronize(hf.device)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
 def hf_baseline(llm: LLM, prompts, max_tokens: int, prompt_len: int) -> list[float]:
     """The same three figures for transformers on the same weights (a GGUF dequantized to
-    float32) and prompts."""
+    float32), dtype, device and prompts."""
     from engine.models.loader import load_hf_model
 
-    hf = load_hf_model(llm.model_dir, torch.float32)
+    dtype = llm.engine.model.dtype
+    hf = load_hf_model(llm.model_dir, dtype).to(llm.config.device)
     pad = llm.tokenizer.pad_token_id or 0
     return [
         hf_decode(hf, prompts[:1], max_tokens, pad),
@@ -156,6 +173,9 @@ def llamacpp_figures(config, llm: LLM, prompts, max_tokens, prompt_len, options)
     """llama.cpp on --gguf, else the .gguf the engine was given, else the model directory's."""
     if not options.enabled:
         return LlamaCppFigures(notes=["llama.cpp skipped: --no-llamacpp"])
+    if config.device != "cpu":
+        # llama-cpp-python's wheel here is a CPU build: no fair GPU column.
+        return LlamaCppFigures(notes=[f"llama.cpp skipped: the engine runs on {config.device}"])
     gguf = Path(options.gguf) if options.gguf else None
     if gguf is None and str(config.model).endswith(".gguf"):
         gguf = Path(config.model)  # the file the engine itself was given
@@ -199,11 +219,14 @@ def run_offline(
     llm = LLM(config=config)
     arch = llm.engine.model.arch
     weight_bytes = llm.engine.model.weight_bytes_per_token
+    device = torch.device(llm.config.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"model {llm.model_dir} ({arch.num_layers} layers, {weight_bytes / 1e6:.0f} MB weights, "
-        f"{llm.config.dtype}), torch threads {torch.get_num_threads()}"
+        f"{llm.config.dtype}) on {where}, torch {torch.__version__}, "
+        f"torch threads {torch.get_num_threads()}"
     )
-    bandwidth = measure_read_bandwidth()
+    bandwidth = measure_read_bandwidth(device=llm.config.device)
     floor_tps = bandwidth / weight_bytes
     print(
         f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s -> decode floor "
