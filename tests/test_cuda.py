@@ -1,6 +1,7 @@
 """The engine on a CUDA GPU, on the real SmolLM2: greedy output of every decoder equals the
-GPU's own autoregressive output (float32 and bfloat16), float32 greedy output equals
-transformers' on the same GPU, and no KV block outlives its request.
+GPU's own autoregressive output (float32), CUDA graphs replay what eager steps compute, float32
+greedy output equals transformers' on the same GPU, every decoder samples in both dtypes, and
+no KV block outlives its request.
 
 CI has no GPU: every test here is skipped there, with the reason. The CPU suite covers the
 same code paths on the CPU; these catch what only a GPU shows (device placement, dtypes).
@@ -49,6 +50,9 @@ def prompts(llm: LLM) -> list[list[int]]:
     return [*chats, repetitive]
 
 
+# bfloat16 rounds a verification pass (1 + k rows) differently from a decode pass, so greedy
+# output can flip at near-ties (docs/benchmarks.md): exact identity is a float32 promise.
+@pytest.mark.parametrize("gpu_llm", ["float32"], indirect=True)
 def test_every_decoder_is_greedy_identical_on_the_gpu(gpu_llm):
     batch = prompts(gpu_llm)
     expected = [out.token_ids for out in gpu_llm.generate(batch, GREEDY)]
