@@ -30,7 +30,10 @@ from engine.attention import AttentionGroup, AttentionMetadata, tree_ancestry, t
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_QUERIES = 16  # longer query runs (prefill chunks) run eagerly
 MIN_KEY_BUCKET = 128
-MAX_GRAPHS = 96  # beyond this many buckets, new ones run eagerly (each graph holds memory)
+MAX_GRAPHS = 256  # beyond this many buckets, new ones run eagerly (each graph holds memory)
+# Buckets captured when the engine starts, up to this key length: capturing one mid-run stalls
+# every stream for a few passes' time (longer contexts are captured when first met).
+PRECAPTURE_MAX_KEYS = 2048
 
 
 @dataclass(frozen=True)
@@ -64,13 +67,16 @@ def _freeze(value):
     return value
 
 
+def fits_a_graph(item) -> bool:
+    """Whether a ``ForwardItem`` can be part of a replayed step."""
+    return len(item.token_ids) <= MAX_GRAPH_QUERIES and not item.extra_logit_rows
+
+
 def graph_key(items: Sequence, options: dict) -> GraphKey | None:
     """The bucket of a step of ``items`` (``ForwardItem``s), or None if it runs eagerly."""
-    if not items or len(items) > BATCH_BUCKETS[-1]:
+    if not items or len(items) > BATCH_BUCKETS[-1] or not all(map(fits_a_graph, items)):
         return None
     queries = max(len(item.token_ids) for item in items)
-    if queries > MAX_GRAPH_QUERIES or any(item.extra_logit_rows for item in items):
-        return None
     keys = max(item.num_cached + len(item.token_ids) for item in items)
     batch = next(b for b in BATCH_BUCKETS if b >= len(items))
     frozen = tuple(sorted((name, _freeze(value)) for name, value in options.items()))
@@ -180,19 +186,42 @@ class CudaGraphs:
             and model.arch.sliding_window is None
         )
 
+    def precapture(self, max_batch: int, queries: Sequence[int], options: Sequence[dict]) -> int:
+        """Capture every bucket of up to ``max_batch`` sequences, of each query length and set
+        of model options, with keys up to PRECAPTURE_MAX_KEYS (vLLM captures at start-up too).
+        Returns how many graphs were captured."""
+        batches = [b for b in BATCH_BUCKETS if b < max_batch] + [
+            next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
+        ]
+        keys = []
+        while not keys or keys[-1] < PRECAPTURE_MAX_KEYS:
+            keys.append(MIN_KEY_BUCKET << len(keys))
+        before = len(self.graphs)
+        for option in options:
+            frozen = tuple(sorted((name, _freeze(value)) for name, value in option.items()))
+            for q in queries:
+                for b in batches:
+                    for length in keys:
+                        self._graph(GraphKey(b, q, length, frozen))
+        return len(self.graphs) - before
+
+    def _graph(self, key: GraphKey) -> _Graph | None:
+        graph = self.graphs.get(key)
+        if graph is None and len(self.graphs) < MAX_GRAPHS:
+            dummy = plan_padded_step([], key, self.kv_cache.block_size, self.kv_cache.scratch_slot)
+            graph = _Graph(self.model, self.kv_cache, key, self.scale, self.pool, dummy)
+            self.graphs[key] = graph
+        return graph
+
     def run(self, items: Sequence, options: dict):
         """(the model's output over every padded row, the real rows) for a step that fits a
         bucket; None for one that runs eagerly."""
         key = graph_key(items, options)
         if key is None:
             return None
-        graph = self.graphs.get(key)
+        graph = self._graph(key)
         if graph is None:
-            if len(self.graphs) >= MAX_GRAPHS:
-                return None
-            dummy = plan_padded_step([], key, self.kv_cache.block_size, self.kv_cache.scratch_slot)
-            graph = _Graph(self.model, self.kv_cache, key, self.scale, self.pool, dummy)
-            self.graphs[key] = graph
+            return None
         step = plan_padded_step(items, key, self.kv_cache.block_size, self.kv_cache.scratch_slot)
         return graph.replay(_pinned(step)), step.real_rows
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from engine.sequence import Sequence, SequenceStatus
 from engine.speculation import Speculator
 from engine.step_costs import time_forward_steps
 from engine.thread_governor import ThreadGovernor
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -101,9 +104,24 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = self.build_speculator(config.decoder)
+        if self.runner.graphs is not None:
+            self._precapture_graphs()
         self.requests: dict[str, Request] = {}
         # Requests with a continuation aborted since the last step: that step reports them.
         self._aborted_since_step: set[str] = set()
+
+    def _precapture_graphs(self) -> None:
+        """The target's CUDA graphs of decode steps and, with drafting decoders, of
+        verification steps (with the hidden states trained drafters read)."""
+        started = time.perf_counter()
+        queries, options = [1], [{}]
+        spec = self.speculator
+        if spec is not None:
+            queries.append(1 + self.config.decoder.num_speculative_tokens)
+            if spec.reads_target_hidden:
+                options.append({"hidden_layer": self.model.arch.num_layers - 1, "all_hidden": True})
+        count = self.runner.graphs.precapture(self.config.scheduler.max_num_seqs, queries, options)
+        log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - started)
 
     def build_speculator(self, config: DecoderConfig) -> Speculator | None:
         """A speculator for the decoders of ``config`` over this engine's model and KV cache

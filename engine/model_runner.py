@@ -18,7 +18,7 @@ from engine.attention import (
     build_attention_metadata,
     tree_depths,
 )
-from engine.cuda_graphs import CudaGraphs
+from engine.cuda_graphs import CudaGraphs, fits_a_graph
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel, ModelOutput
 
@@ -74,10 +74,32 @@ class ModelRunner:
         """As ``run``, returning the model's output: the logits, and with ``hidden_layer`` the
         hidden states after that layer for the same rows."""
         if self.graphs is not None:
-            replayed = self.graphs.run(items, model_options)
-            if replayed is not None:
-                self.extra_logits = None  # steps with extra rows are not replayed
-                return _real_rows_of(items, *replayed, model_options)
+            out = self._forward_with_graphs(items, model_options)
+            if out is not None:
+                return out
+        return self._forward_eager(items, model_options)
+
+    def _forward_with_graphs(self, items, options: dict) -> ModelOutput | None:
+        """The step with its short items replayed in a CUDA graph and the rest (prefill
+        chunks, prompt-logprob rows) run eagerly beside it; None when no graph applies.
+        Sequences do not see each other's tokens, so one step may run as two passes."""
+        short = [i for i, item in enumerate(items) if fits_a_graph(item)]
+        if options.get("hidden_layer") is not None and not options.get("all_hidden"):
+            if any(item.extra_logit_rows for item in items):
+                return None  # the eager pass would return hidden rows of its extra rows too
+        replayed = self.graphs.run([items[i] for i in short], options) if short else None
+        if replayed is None:
+            return None
+        graphed = _real_rows_of([items[i] for i in short], *replayed, options)
+        if len(short) == len(items):
+            self.extra_logits = None
+            return graphed
+        chosen = set(short)
+        rest = [i for i in range(len(items)) if i not in chosen]
+        eager = self._forward_eager([items[i] for i in rest], options)  # sets extra_logits
+        return _interleave(items, [(short, graphed), (rest, eager)], options)
+
+    def _forward_eager(self, items, model_options: dict) -> ModelOutput:
         batch = self.flatten(items)
         out = self.model(
             batch.input_ids, batch.positions, self.kv_cache.layers, batch.attn,
@@ -137,3 +159,28 @@ def _real_rows_of(
     if hidden is not None:
         hidden = hidden.index_select(0, real if options.get("all_hidden") else wanted)
     return ModelOutput(logits=logits, hidden_states=hidden)
+
+
+def _interleave(
+    items: Sequence[ForwardItem], parts: list[tuple[list[int], ModelOutput]], options: dict
+) -> ModelOutput:
+    """Outputs of passes over disjoint subsets of ``items`` (given by index) put back in item
+    order: each item owns ``num_logits`` rows (``len(token_ids)`` hidden rows with
+    ``all_hidden``)."""
+    logits: list = [None] * len(items)
+    hidden: list = [None] * len(items)
+    for indices, out in parts:
+        logit_row = hidden_row = 0
+        for i in indices:
+            n_logits = items[i].num_logits
+            n_hidden = len(items[i].token_ids) if options.get("all_hidden") else n_logits
+            if out.logits is not None:
+                logits[i] = out.logits[logit_row : logit_row + n_logits]
+            if out.hidden_states is not None:
+                hidden[i] = out.hidden_states[hidden_row : hidden_row + n_hidden]
+            logit_row += n_logits
+            hidden_row += n_hidden
+    return ModelOutput(
+        logits=torch.cat(logits) if logits[0] is not None else None,
+        hidden_states=torch.cat(hidden) if hidden[0] is not None else None,
+    )

@@ -33,7 +33,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
-        help="activations' and dense weights' dtype (default float32; bfloat16 on a GPU)",
+        help="activations' and dense weights' dtype (default float32, the exact one; "
+        "bfloat16 changes the model's numerics)",
     )
     p.add_argument(
         "--decoder",
@@ -78,10 +79,6 @@ def engine_config_from_args(args: argparse.Namespace):
     overrides: dict = {"model": args.model} if args.model else {}
     if getattr(args, "device", None):
         overrides["device"] = args.device
-        # On a GPU the half-precision path is the one its tensor cores run; float32 stays
-        # available with --dtype float32.
-        if not args.dtype and args.device.startswith("cuda") and not args.config:
-            overrides["dtype"] = "bfloat16"
     if getattr(args, "enforce_eager", None):
         overrides["enforce_eager"] = True
     if getattr(args, "dtype", None):

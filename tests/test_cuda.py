@@ -104,5 +104,6 @@ def test_cuda_graphs_replay_what_eager_steps_compute(smollm2_path):
     batch = prompts(graphs)
     got = [out.token_ids for out in graphs.generate(batch, GREEDY)]
     assert got == [out.token_ids for out in eager.generate(batch, GREEDY)]
-    assert graphs.engine.runner.graphs.graphs, "no step was replayed"
+    # Decode steps of 1..64 sequences up to 2048 keys were captured when the engine started.
+    assert len(graphs.engine.runner.graphs.graphs) >= 7 * 5
     assert eager.engine.runner.graphs is None

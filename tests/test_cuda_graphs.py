@@ -118,3 +118,43 @@ def test_padding_rows_write_only_the_scratch_slot(model):
     padding = [r for r in range(key.batch * key.queries) if r not in real]
     assert padding and all(step.slot_mapping[r] == cache.scratch_slot for r in padding)
     assert step.mask[key.batch - 1, 0].sum() == key.queries  # a padding sequence: one key per row
+
+
+class EagerPaddedSteps:
+    """``CudaGraphs``' stand-in on the CPU: the padded step a graph records, run eagerly."""
+
+    def __init__(self, model, cache: KVCache):
+        self.model, self.cache = model, cache
+
+    def run(self, items, options):
+        key = graph_key(items, options)
+        if key is None:
+            return None
+        step = plan_padded_step(items, key, BLOCK, self.cache.scratch_slot)
+        scale = self.model.arch.head_dim**-0.5
+        return run_padded(self.model, self.cache, step, scale, dict(key.options)), step.real_rows
+
+
+@pytest.mark.parametrize("options", [{}, {"hidden_layer": 1, "all_hidden": True}])
+def test_a_step_mixing_prefill_and_decode_splits_into_graph_and_eager_passes(model, options):
+    eager_cache, tables = prefilled(model, CONTEXTS)
+    split_cache, _ = prefilled(model, CONTEXTS)
+    items = [
+        ForwardItem([30], len(CONTEXTS[0]), tables[0], 1),
+        ForwardItem(list(range(60, 60 + MAX_GRAPH_QUERIES + 3)), 0, list(range(24, 30)), 1),
+        ForwardItem([44, 45], len(CONTEXTS[2]), tables[2], 2),
+        # A prompt chunk that wants prompt logprobs: its extra rows keep it eager.
+        ForwardItem([70, 71, 72], 0, [30, 31], 0, extra_logit_rows=[0, 1]),
+    ]
+    plain = ModelRunner(model, eager_cache, "cpu")
+    expected = plain.forward(items, **options)
+    split = ModelRunner(model, split_cache, "cpu")
+    split.graphs = EagerPaddedSteps(model, split_cache)
+    got = split.forward(items, **options)
+
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(split.extra_logits, plain.extra_logits, rtol=1e-5, atol=1e-5)
+    if options:
+        torch.testing.assert_close(got.hidden_states, expected.hidden_states, rtol=1e-5, atol=1e-5)
+    real = slice(0, split_cache.scratch_slot)
+    torch.testing.assert_close(split_cache.storage[:, :, real], eager_cache.storage[:, :, real])
