@@ -36,6 +36,7 @@ __all__ = [
     "SamplingRow",
     "draw_uniforms",
     "greedy_tokens",
+    "logit_bias_problems",
     "make_generator",
     "probabilities",
     "process_logits",
@@ -82,6 +83,31 @@ def _is_number(value: Any) -> bool:
 
 def _is_token_id(value: Any) -> bool:
     return _is_int(value) and value >= 0
+
+
+def logit_bias_problems(logit_bias: dict, vocab_size: int | None = None) -> list[str]:
+    """Everything wrong with a logit_bias map at once (keys that are no token ids, ids beyond
+    the vocabulary when its size is given, values out of range, named by their keys): a client
+    fixing them one 400 at a time is a poor API."""
+    bad_keys, beyond, bad_values = [], [], {}
+    for key, value in logit_bias.items():
+        token_id = _parse_token_id(key)
+        if token_id is None:
+            bad_keys.append(key)
+        elif vocab_size is not None and token_id >= vocab_size:
+            beyond.append(key)
+        if not (_is_number(value) and -100 <= value <= 100):
+            bad_values[key] = value
+    problems = []
+    if bad_keys:
+        problems.append(f"logit_bias keys must be token ids (ints >= 0), got {_listed(bad_keys)!r}")
+    if beyond:
+        problems.append(
+            f"logit_bias keys must be < vocab size {vocab_size}, got {_listed(beyond)!r}"
+        )
+    if bad_values:
+        problems.append(f"logit_bias values must be numbers in [-100, 100], got {bad_values!r}")
+    return problems
 
 
 def _parse_token_id(key: Any) -> int | None:
@@ -198,19 +224,10 @@ class SamplingParams:
     def _normalised_logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:
             return None
-        bias, bad_keys, bad_values = {}, [], []
-        for key, value in self.logit_bias.items():
-            token_id = _parse_token_id(key)
-            if token_id is None:
-                bad_keys.append(key)
-            elif not (_is_number(value) and -100 <= value <= 100):
-                bad_values.append(value)
-            else:
-                bias[token_id] = float(value)
-        # Every bad entry at once: a client fixing them one 400 at a time is a poor API.
-        _require(not bad_keys, "logit_bias keys", "token ids (ints >= 0)", _listed(bad_keys))
-        _require(not bad_values, "logit_bias values", "numbers in [-100, 100]", _listed(bad_values))
-        return bias
+        problems = logit_bias_problems(self.logit_bias)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return {_parse_token_id(key): float(value) for key, value in self.logit_bias.items()}
 
     def for_sequence(self, constraint_state) -> "SamplingParams":
         """A copy of these parameters carrying one sequence's constraint matcher."""

@@ -16,6 +16,7 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.sampling import logit_bias_problems
 from engine.speculative_options import SpeculativeOptions
 from server.errors import APIError, invalid_parameter
 from server.field_policy import check_extra_fields
@@ -77,6 +78,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
         state.check_context(len(prompt_ids), max_tokens, "messages")
         if max_tokens is None:  # as vLLM: whatever room the context leaves
             max_tokens = state.client.info.max_model_len - len(prompt_ids)
+        _check_logit_bias(body.logit_bias, state.client.info.vocab_size)
         params = body.sampling_params(max_tokens, logprobs, constraint_of(body))
         params.validate_for_vocab(state.client.info.vocab_size)
     except ValueError as e:
@@ -103,6 +105,7 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
         for ids in prompts:
             state.check_context(len(ids), max_tokens, "prompt")
+        _check_logit_bias(body.logit_bias, vocab)
         params = body.sampling_params(max_tokens, body.logprobs, constraint_of(body))
         params.validate_for_vocab(vocab)
     except ValueError as e:
@@ -120,6 +123,12 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
 def _truncated(ids: list[int], keep: int | None) -> list[int]:
     """vLLM's truncate_prompt_tokens: the prompt's last ``keep`` tokens."""
     return ids if keep is None else ids[-keep:]
+
+
+# What transformers passes to every chat template itself (the conversation, tools, documents)
+# or defines for it (raise_exception, strftime_now): a client's variable of that name would
+# collide with it or replace a function the template calls.
+TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "raise_exception", "strftime_now"})
 
 
 def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
@@ -141,6 +150,15 @@ def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
             400, f"messages: the model's chat template refused them: {e}", param="messages",
             code="invalid_value",
         ) from None  # fmt: skip
+    except (TypeError, ValueError) as e:
+        if not options:
+            raise
+        # A template variable of the client's that the template cannot take (a type it does
+        # not expect, a name transformers passes too): the client's input as well.
+        raise APIError(
+            400, f"chat_template_kwargs: the model's chat template could not use them: {e}",
+            param="chat_template_kwargs", code="invalid_value",
+        ) from None  # fmt: skip
     return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
 
@@ -149,7 +167,7 @@ def _template_kwargs(tokenizer, kwargs: dict) -> dict:
     apply_chat_template's own parameters (tokenize, the conversation, the template...)."""
     import inspect
 
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | TEMPLATE_RESERVED
     clashing = sorted(set(kwargs) & own)
     if clashing:
         raise APIError(
@@ -159,6 +177,13 @@ def _template_kwargs(tokenizer, kwargs: dict) -> dict:
             code="invalid_value",
         )
     return kwargs
+
+
+def _check_logit_bias(logit_bias: dict | None, vocab: int) -> None:
+    """Every logit_bias problem in one 400, the vocabulary's bound included."""
+    problems = logit_bias_problems(logit_bias or {}, vocab)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def _encode(state: ServerState, prompt: str | list[int], vocab: int, special: bool) -> list[int]:

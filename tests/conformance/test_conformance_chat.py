@@ -103,10 +103,13 @@ def test_seed_makes_sampling_reproducible_and_is_range_checked(client):
 def test_logit_bias_error_names_every_bad_key(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, logit_bias={"5": 1, "x": 1, "-3": 2, "99999999": 1}
+            model=MODEL, messages=CHAT,
+            logit_bias={"5": 1, "x": 1, "-3": 2, "99999999": 1, "7": 500},
         )
     message = caught.value.body["message"]
     assert "'x'" in message and "'-3'" in message and caught.value.body["param"] == "logit_bias"
+    # Beyond the vocabulary and out of range, in the same message.
+    assert "'99999999'" in message and "{'7': 500" in message
 
 
 def test_logit_bias_forces_a_token(server, client):
@@ -218,12 +221,20 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(client):
     assert r.usage.prompt_tokens == 20
 
 
-def test_chat_template_kwargs_cannot_replace_the_templates_own_arguments(client):
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"tokenize": True}, {"messages": []}, {"raise_exception": 1}, {"documents": None}],
+)
+def test_chat_template_kwargs_cannot_replace_the_templates_own_arguments(client, kwargs):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model=MODEL, messages=CHAT, extra_body={"chat_template_kwargs": {"tokenize": True}}
+            model=MODEL, messages=CHAT, extra_body={"chat_template_kwargs": kwargs}
         )
     assert caught.value.body["param"] == "chat_template_kwargs"
+    assert next(iter(kwargs)) in caught.value.body["message"]
+
+
+def test_chat_template_kwargs_allowed_names_still_work(client):
     r = client.chat.completions.create(
         model=MODEL,
         messages=CHAT,
