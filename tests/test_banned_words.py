@@ -132,3 +132,27 @@ def test_a_model_set_on_a_phrase_ends_instead_of_rewinding_forever(tiny_chat_mod
         banned.BannedPhrasesState.mask_ = original
     assert out.finish_reason == "stop" and not _occurs(out.text, "cat")
     assert llm.engine.num_rewinds == banned.MAX_REWINDS + 1
+
+
+@pytest.mark.parametrize("phrase", ["猫", "🫖 ok"])
+def test_phrases_of_characters_split_across_tokens_are_caught(smollm2_path, phrase):
+    from transformers import AutoTokenizer
+
+    from engine.constraints.banned import BannedPhrasesState
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokens = tokenizer.encode(f"I like {phrase} a lot", add_special_tokens=False)
+    # The phrase's first character takes several byte-level tokens: the case this is about.
+    first = phrase[0]
+    assert any(tokenizer.decode([t]).endswith("\ufffd") for t in tokens), first
+    state = BannedPhrasesState([normalize_phrase(phrase)], tokenizer.decode)
+    output = []
+    for token in tokens:
+        output.append(token)
+        rewind_to = state.check(output, final=False)
+        settled = tokenizer.decode(output[: state.stable])
+        assert first not in settled  # nothing of the phrase is ever reported
+        if rewind_to is not None:
+            break
+    assert rewind_to is not None, "the occurrence was never found"
+    assert tokenizer.decode(output[rewind_to:]).lstrip().startswith(first)

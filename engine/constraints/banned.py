@@ -26,6 +26,8 @@ import torch
 # may reach it through many tokenizations and casings. Past this many rewinds a sequence ends
 # at its last settled token (finish reason "stop") rather than spend its time there.
 MAX_REWINDS = 256
+# What a byte-level tokenizer's decode gives for an incomplete UTF-8 sequence.
+REPLACEMENT = "\ufffd"
 
 
 def _is_word(char: str) -> bool:
@@ -123,7 +125,13 @@ class BannedPhrasesState:
         text = self.decode(window)
         found = scan(text, self.phrases, offsets[self.stable - first_token], final)
         if found.violation is not None:
-            return first_token + _token_at(offsets, found.violation)
+            # Never before what was settled: the engine has reported those tokens.
+            return max(self.stable, first_token + _token_at(offsets, found.violation))
+        if not final:
+            # A character split across tokens decodes as U+FFFD until its last byte comes:
+            # what it becomes (perhaps a phrase's first character) is still to be seen.
+            partial = len(text) - len(text.rstrip(REPLACEMENT))
+            found.pending = min(found.pending, len(text) - partial)
         if found.pending < len(text):
             self.stable = first_token + _token_at(offsets, found.pending)
         else:
