@@ -380,7 +380,16 @@ class Engine:
         """Append tokens up to the first that ends the sequence (or completes a banned phrase,
         which rewinds it); returns how many."""
         count = 0
+        constraint = seq.sampling_params.constraint_state
         for i, token in enumerate(tokens):
+            following = [*seq.output_token_ids, token.token_id] if constraint else None
+            if constraint is not None and not constraint.allows(following):
+                # Its row had no allowed token left (a grammar whose every continuation a
+                # ban has removed): the sampled token is arbitrary, so the sequence ends
+                # before it, its output still within the constraint.
+                log.warning("%s: no token satisfies its constraints; it stops", seq.request_id)
+                self.scheduler.finish(seq, "stop")
+                break
             seq.append_token(token)
             if sources is not None:
                 seq.output_sources.append(sources[i])

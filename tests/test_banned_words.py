@@ -122,14 +122,16 @@ def test_a_model_set_on_a_phrase_ends_instead_of_rewinding_forever(tiny_chat_mod
 
     llm = LLM(model=str(tiny_chat_model_dir))
     token = llm.tokenizer.encode(" cat", add_special_tokens=False)[0]
-    original = banned.BannedPhrasesState.mask_
+    original = banned.BannedPhrasesState.mask_, banned.BannedPhrasesState.allows
+    # As if every rewind met the phrase through tokens not banned yet.
     banned.BannedPhrasesState.mask_ = lambda self, logits, history: None
+    banned.BannedPhrasesState.allows = lambda self, history: True
     try:
         params = SamplingParams(temperature=0, max_tokens=8, logit_bias={token: 100.0},
                                 banned_words=["cat"])  # fmt: skip
         out = llm.generate(["Once"], params)[0].outputs[0]
     finally:
-        banned.BannedPhrasesState.mask_ = original
+        banned.BannedPhrasesState.mask_, banned.BannedPhrasesState.allows = original
     assert out.finish_reason == "stop" and not _occurs(out.text, "cat")
     assert llm.engine.num_rewinds == banned.MAX_REWINDS + 1
 
@@ -156,3 +158,23 @@ def test_phrases_of_characters_split_across_tokens_are_caught(smollm2_path, phra
             break
     assert rewind_to is not None, "the occurrence was never found"
     assert tokenizer.decode(output[rewind_to:]).lstrip().startswith(first)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_whose_every_choice_is_banned_ends_within_it(tiny_chat_model_dir, temperature):
+    # Each rewind bans one more way into "cat" or "dog" until the grammar has no token left:
+    # the row is masked whole, and the sequence must stop rather than emit an arbitrary token
+    # (after which the grammar could no longer follow it, and nothing would be constrained).
+    llm = LLM(model=str(tiny_chat_model_dir))
+    choice = ConstraintSpec("choice", ["cat", "dog"])
+    params = SamplingParams(
+        temperature=temperature, seed=5, n=3, max_tokens=8, constraint=choice,
+        banned_words=["cat", "dog"],
+    )  # fmt: skip
+    for out in llm.generate(["Pick"], params)[0].outputs:
+        # It stops where no token is left: a prefix of a choice, never a banned word.
+        assert out.finish_reason == "stop", out.text
+        assert out.text in {"", "c", "ca", "d", "do"}
+    assert llm.engine.num_rewinds > 0
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks

@@ -115,6 +115,10 @@ class BannedPhrasesState:
         if banned:
             logits[list(banned)] = float("-inf")
 
+    def allows(self, history: Sequence[int]) -> bool:
+        """Whether the last token of ``history`` is not banned at its position."""
+        return not history or history[-1] not in self.bans.get(len(history) - 1, ())
+
     def check(self, output: list[int], final: bool) -> int | None:
         """After a token was appended to ``output``: the output index to rewind to when an
         occurrence is complete (None if none), updating ``stable`` otherwise."""

@@ -21,9 +21,10 @@ class ConstraintState:
     question costs the tokens that differ, not the whole output.
     """
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, eos_token_ids: Collection[int] = ()):
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.consumed: list[int] = []
         self._bits = torch.empty((1, (vocab_size + 31) // 32), dtype=torch.int32)
 
@@ -46,11 +47,21 @@ class ConstraintState:
         unpacked = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")
         return torch.from_numpy(unpacked[: self.vocab_size].view(np.bool_))
 
+    def allows(self, history: Sequence[int]) -> bool:
+        """Whether ``history`` (a sequence's output with a token about to be appended) keeps
+        to the constraint."""
+        history = list(history)
+        if history and history[-1] in self.eos_token_ids:
+            # The mask allows EOS where the constraint may end; the matcher does not consume it.
+            return self._follow(history[:-1]) and self.matcher.is_accepting()
+        return self._follow(history)
+
     def _follow(self, history: list[int]) -> bool:
         """Bring the matcher to ``history``; False if it cannot get all the way there."""
         common = _common_prefix(self.consumed, history)
         if common < len(self.consumed):
-            self.matcher.rollback(len(self.consumed) - common)
+            if not self.matcher.rollback(len(self.consumed) - common) or self.matcher.is_error():
+                raise RuntimeError(f"constraint matcher failed: {self.matcher.get_error()}")
             del self.consumed[common:]
         rest = history[common:]
         if rest:
@@ -81,6 +92,9 @@ class AllConstraints:
     def mask_(self, logits: torch.Tensor, history: Sequence[int]) -> None:
         for state in self.states:
             state.mask_(logits, history)
+
+    def allows(self, history: Sequence[int]) -> bool:
+        return all(state.allows(history) for state in self.states)
 
 
 class ConstraintFactory:
@@ -143,5 +157,7 @@ class ConstraintFactory:
         if error:
             raise ValueError(f"the output constraint is not usable: {error}")
         return ConstraintState(
-            LLMatcher(self.tokenizer, spec.grammar(), log_level=0), self.vocab_size
+            LLMatcher(self.tokenizer, spec.grammar(), log_level=0),
+            self.vocab_size,
+            self.eos_token_ids,
         )
