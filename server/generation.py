@@ -70,6 +70,10 @@ class RequestRun:
     # Per prompt, when asked for: [None, PromptLogprob, ...] (engine.prompt_logprobs).
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # Known before any token: every chunk of continuous usage stats carries it.
+        self.usage.prompt_tokens = sum(len(prompt) for prompt in self.prompts)
+
     def usage_so_far(self) -> Usage:
         """Usage up to the last event (vLLM's continuous_usage_stats)."""
         return Usage(
@@ -142,7 +146,6 @@ class RequestRun:
                 if delta.prompt_logprobs is not None:
                     self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
                 if clock.on_delta(delta):
-                    self.usage.prompt_tokens += len(prompt)
                     self.usage.cached_tokens += delta.num_cached_prompt_tokens
                 for c in delta.choices:
                     if c.index not in open_choices:

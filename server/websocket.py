@@ -85,6 +85,12 @@ class _Connection:
     async def _prepare(self, message: dict):
         # Over a WebSocket every request streams (include_usage then applies as with SSE).
         body = {k: v for k, v in message.items() if k not in ("request_id", "type")}
+        if body.get("stream", True) is not True:
+            # Silently streaming anyway would answer something other than what was asked.
+            raise APIError(
+                400, "stream: requests over a WebSocket always stream; leave stream out or "
+                "set it to true", "stream",
+            )  # fmt: skip
         body["stream"] = True
         try:
             if "messages" in body:

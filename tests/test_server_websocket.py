@@ -90,12 +90,17 @@ def test_bad_messages_get_error_messages_and_the_connection_survives(server):
             )
             bad_param = json.loads(await ws.recv())
             await ws.send(
+                json.dumps({"request_id": "z", "model": MODEL, "prompt": "a", "stream": False})
+            )
+            not_streamed = json.loads(await ws.recv())
+            await ws.send(
                 json.dumps({"request_id": "y", "model": MODEL, "prompt": "a", "max_tokens": 2})
             )
             good = await collect(ws, {"y"})
-            return not_json, bad_param, good
+            return not_json, bad_param, not_streamed, good
 
-    not_json, bad_param, good = asyncio.run(main())
+    not_json, bad_param, not_streamed, good = asyncio.run(main())
+    assert not_streamed["type"] == "error" and not_streamed["error"]["param"] == "stream"
     assert not_json["type"] == "error" and not_json["error"]["type"] == "invalid_request_error"
     assert bad_param["type"] == "error" and bad_param["error"]["param"] == "temperature"
     assert good["y"][-1]["type"] == "done"

@@ -66,6 +66,8 @@ def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(client):
     assert all(c.usage is not None for c in chunks)
     assert counts == sorted(counts) and counts[-1] == 6
     assert len(set(counts)) > 2  # it grows as tokens arrive, not only at the end
+    # The prompt is counted from the first chunk on (the role chunk comes before any token).
+    assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[0].usage.prompt_tokens > 0
 
 
 def test_stream_options_without_stream_is_a_400(client):
