@@ -229,6 +229,11 @@ class SamplingParams:
             raise ValueError("; ".join(problems))
         return {_parse_token_id(key): float(value) for key, value in self.logit_bias.items()}
 
+    def __getstate__(self) -> dict:
+        # A sequence's matcher (llguidance) does not pickle, and belongs to that sequence
+        # alone: a copy that crosses a process boundary rebuilds its own from ``constraint``.
+        return {**self.__dict__, "constraint_state": None}
+
     def for_sequence(self, constraint_state) -> "SamplingParams":
         """A copy of these parameters carrying one sequence's constraint matcher."""
         copy = replace(self)

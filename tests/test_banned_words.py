@@ -178,3 +178,20 @@ def test_a_grammar_whose_every_choice_is_banned_ends_within_it(tiny_chat_model_d
     assert llm.engine.num_rewinds > 0
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_characters_that_lower_to_two_match_as_one():
+    # "İ".lower() is "i" plus a combining dot: phrase and text must be lowered alike.
+    phrase = normalize_phrase("İstanbul")
+    for text in ["I love İstanbul.", "I love ISTANBUL.", "I love istanbul."]:
+        assert scan(text, [phrase], 0, final=True).violation == 7, text
+
+
+def test_sampling_params_with_a_sequence_matcher_pickle_without_it(tiny_chat_model_dir):
+    import pickle
+
+    llm = LLM(model=str(tiny_chat_model_dir))
+    params = SamplingParams(max_tokens=4, constraint=ConstraintSpec("choice", ["yes", "no"]))
+    state = llm.engine.constraints.state(params.constraint)
+    copy = pickle.loads(pickle.dumps(params.for_sequence(state)))
+    assert copy.constraint_state is None and copy.constraint == params.constraint

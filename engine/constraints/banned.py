@@ -34,9 +34,16 @@ def _is_word(char: str) -> bool:
     return char.isalnum() or char == "_"
 
 
+def _lower(char: str) -> str:
+    """One character lowered to one character: "İ".lower() is two ("i" and a combining dot),
+    which would shift every index after it."""
+    return char.lower()[:1] or char
+
+
 def normalize_phrase(phrase: str) -> str:
-    """Lower case, whitespace runs as one space, trimmed: the form matched against text."""
-    return " ".join(phrase.lower().split())
+    """Lowered per character as text is (``_Text.of``), whitespace runs as one space,
+    trimmed: the form matched against text."""
+    return " ".join("".join(map(_lower, phrase)).split())
 
 
 @dataclass
@@ -56,7 +63,7 @@ class _Text:
                     continue
                 chars.append(" ")
             else:
-                chars.append(c.lower()[:1] or c)
+                chars.append(_lower(c))
             origin.append(i)
         return cls("".join(chars), origin)
 
