@@ -182,3 +182,14 @@ def test_a_constraint_that_can_only_end_wins_over_min_tokens(llm):
         )
         out = llm.generate(["Answer:"], params)[0].outputs[0]
         assert out.text in ("yes", "no") and out.finish_reason == "stop"
+
+
+def test_ignore_eos_ends_a_constraint_that_can_only_end(llm):
+    # With ignore_eos the end of the grammar's language is not the end of the sequence; what
+    # would follow EOS is outside every constraint, so the sequence stops there (vLLM users
+    # expect ignore_eos for benchmarks, not unconstrained text after a finished document).
+    choice = ConstraintSpec("choice", CHOICES)
+    params = SamplingParams(temperature=1.0, seed=2, n=8, max_tokens=20, ignore_eos=True,
+                            constraint=choice)  # fmt: skip
+    for out in llm.generate(["Pick"], params)[0].outputs:
+        assert out.finish_reason == "stop" and out.text in CHOICES, out.text
