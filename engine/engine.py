@@ -373,6 +373,7 @@ class Engine:
             next_tokens = seq.prompt_token_ids[positions.start + 1 : positions.stop + 1]
             k = seq.sampling_params.prompt_logprobs
             seq.prompt_logprobs.extend(prompt_logprobs(logits, next_tokens, k))
+        self.runner.extra_logits = None  # read once: a [rows, vocab] tensor not kept a step longer
 
     def _append(
         self, seq: Sequence, tokens: list[SampledToken], sources: list[str] | None = None
@@ -470,7 +471,10 @@ def _prompt_logprobs_of(seq: Sequence) -> list | None:
     """The request's prompt logprobs once all are computed (None before, or if not asked)."""
     if not seq.wants_prompt_logprobs or len(seq.prompt_logprobs) < seq.num_prompt_tokens - 1:
         return None
-    return [None, *seq.prompt_logprobs]
+    if seq.reported_prompt_logprobs is None:
+        # Built once: every later output shares it instead of copying the prompt's each step.
+        seq.reported_prompt_logprobs = [None, *seq.prompt_logprobs]
+    return seq.reported_prompt_logprobs
 
 
 def _ask_prompt_logits(scheduled: list[ScheduledSequence], items: list[ForwardItem]):

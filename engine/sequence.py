@@ -63,6 +63,8 @@ class Sequence:
     # With SamplingParams.return_provenance: each output token's source (engine.provenance).
     output_sources: list[str] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    # The outputs' form once all are computed: None for the first token, then the above.
+    reported_prompt_logprobs: list[PromptLogprob | None] | None = None
     token_ids: list[int] = field(init=False)
 
     def __post_init__(self):
