@@ -50,6 +50,10 @@ REFUSED: dict[str, Refusal] = {
     "store": Refusal("specserve stores no completions (only false)", _is(False)),
     "service_tier": Refusal("there is one tier (only 'auto' or 'default')", _is("auto", "default")),
     "suffix": Refusal("insertion (text after the completion) is not implemented", _empty),
+    "prompt_cache_retention": Refusal(
+        "the prefix cache keeps blocks in memory while they fit (only 'in-memory')",
+        _is("in-memory"),
+    ),
     # vLLM extensions
     "use_beam_search": Refusal("beam search is not implemented", _is(False)),
     "length_penalty": Refusal("it only applies to beam search (only 1.0)", _is(1.0, 1)),
@@ -72,6 +76,7 @@ REFUSED: dict[str, Refusal] = {
     ),
     "logits_processors": Refusal("custom logits processors are not loaded by this server"),
     "return_tokens_as_token_ids": Refusal("logprobs name tokens by their text", _is(False)),
+    "return_token_ids": Refusal("token ids are not returned (only false)", _is(False)),
     "priority": Refusal("requests are served first come, first served (only 0)", _is(0)),
     "request_id": Refusal("response ids are chosen by the server"),
     "chat_template": Refusal(

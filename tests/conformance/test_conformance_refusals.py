@@ -39,6 +39,8 @@ REFUSED_FIELDS = [
     ("spaces_between_special_tokens", False, True),
     ("logits_processors", ["x"], None),
     ("return_tokens_as_token_ids", True, False),
+    ("return_token_ids", True, False),
+    ("prompt_cache_retention", "24h", "in-memory"),
     ("priority", 1, 0),
     ("request_id", "mine", None),
     ("chat_template", "{{ messages }}", None),
