@@ -67,6 +67,10 @@ def _freeze(value):
     return value
 
 
+def _frozen(options: dict) -> tuple:
+    return tuple(sorted((name, _freeze(value)) for name, value in options.items()))
+
+
 def fits_a_graph(item) -> bool:
     """Whether a ``ForwardItem`` can be part of a replayed step."""
     return len(item.token_ids) <= MAX_GRAPH_QUERIES and not item.extra_logit_rows
@@ -79,8 +83,7 @@ def graph_key(items: Sequence, options: dict) -> GraphKey | None:
     queries = max(len(item.token_ids) for item in items)
     keys = max(item.num_cached + len(item.token_ids) for item in items)
     batch = next(b for b in BATCH_BUCKETS if b >= len(items))
-    frozen = tuple(sorted((name, _freeze(value)) for name, value in options.items()))
-    return GraphKey(batch, queries, _next_power_of_two(keys, MIN_KEY_BUCKET), frozen)
+    return GraphKey(batch, queries, _next_power_of_two(keys, MIN_KEY_BUCKET), _frozen(options))
 
 
 def plan_padded_step(
@@ -168,7 +171,8 @@ class _Graph:
 
 
 class CudaGraphs:
-    """A runner's graphs, one per bucket, captured on first use."""
+    """A runner's graphs, one per bucket: captured at start-up (``precapture``) or when a step
+    first needs one."""
 
     def __init__(self, model, kv_cache):
         self.model = model
@@ -198,11 +202,10 @@ class CudaGraphs:
             keys.append(MIN_KEY_BUCKET << len(keys))
         before = len(self.graphs)
         for option in options:
-            frozen = tuple(sorted((name, _freeze(value)) for name, value in option.items()))
             for q in queries:
                 for b in batches:
                     for length in keys:
-                        self._graph(GraphKey(b, q, length, frozen))
+                        self._graph(GraphKey(b, q, length, _frozen(option)))
         return len(self.graphs) - before
 
     def _graph(self, key: GraphKey) -> _Graph | None:
