@@ -163,7 +163,7 @@ def test_device_names_are_checked():
 
 
 def test_gpu_kv_cache_budget_follows_vllm_utilization_rule():
-    from engine.engine import GPU_HEADROOM_BYTES, gpu_kv_cache_bytes
+    from engine.kv_cache.sizing import GPU_HEADROOM_BYTES, gpu_kv_cache_bytes
 
     gib = 2**30
     assert gpu_kv_cache_bytes(80 * gib, 1 * gib, 0.9) == int(72 * gib) - gib - GPU_HEADROOM_BYTES
