@@ -693,6 +693,195 @@ AVX2 void fused_row_avx2(const WeightRows& w, int64_t n, const float* x, int64_t
     u4 ? fused_u4_avx2<1>(q, s, G, x + m * K, K, y + m * ldy, ldy)
        : fused_i8_avx2<1>(q, s, G, x + m * K, K, y + m * ldy, ldy);
 }
+
+// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values).
+template <int R>
+AVX2 RowScales tile_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
+  const int64_t g0 = n * w.groups, count = R * w.groups;
+  if (!w.scales_f16)
+    return {reinterpret_cast<const float*>(w.scales) + g0,
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
+  halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
+  if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
+  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
+}
+
+// The four sums of a, b, c, d in lanes 0..3.
+AVX2 inline __m128 sum4_avx2(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 abcd = _mm256_hadd_ps(ab, cd);  // per 128-bit half: a, b, c, d partial sums
+  return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+// The four weight rows' sums of a tile's accumulators (A per weight row).
+template <int A>
+AVX2 inline __m128 tile_sums_avx2(const __m256* acc) {
+  if (A == 1) return sum4_avx2(acc[0], acc[1], acc[2], acc[3]);
+  return sum4_avx2(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]),
+                   _mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7]));
+}
+
+// Many rows of x (batches, prefill chunks), as tiled_rows_avx512 with eight lanes: four weight
+// rows dequantized into an L1 buffer, then a register tile of MR rows of x by the four weight
+// rows, so each loaded x vector feeds four FMAs and each weight vector MR of them (the row-wise
+// product loads an x vector per FMA, and loads, not FMAs, bound it).
+template <int MR>
+AVX2 void tile_avx2(const float* x, int64_t K, const float* w, float* y, int64_t ldy) {
+  __m256 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + K + k);
+    const __m256 w2 = _mm256_loadu_ps(w + 2 * K + k), w3 = _mm256_loadu_ps(w + 3 * K + k);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm_storeu_ps(y + r * ldy, sum4_avx2(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+}
+
+// Weight rows n0 .. n0 + 3 against all M rows of x (K a multiple of 8). Three rows of x per
+// tile: 12 accumulators and the four weight vectors fill the 16 registers.
+AVX2 void tiled_rows_avx2(const WeightRows& w, int64_t n0, const float* x, int64_t M, float* y,
+                          int64_t ldy, float* buf) {
+  const int64_t K = w.K;
+  for (int j = 0; j < 4; ++j) dequant_row_avx2(w, n0 + j, buf + j * K);
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) tile_avx2<3>(x + m * K, K, buf, y + m * ldy + n0, ldy);
+  switch (M - m) {
+    case 2: tile_avx2<2>(x + m * K, K, buf, y + m * ldy + n0, ldy); break;
+    case 1: tile_avx2<1>(x + m * K, K, buf, y + m * ldy + n0, ldy); break;
+    default: break;
+  }
+}
+
+// 4-bit block b of M rows of x against weight row r of a tile: 32 weights dequantized in
+// registers (w = code * d + m, as stored) as four vectors of eight, each fed to every row of x.
+// With two accumulators per weight row (A = 2), acc[m][2r] takes weights 0-7 and 16-23 and
+// acc[m][2r + 1] weights 8-15 and 24-31; with one, acc[m][r] takes all.
+template <int M, int C>
+AVX2 __attribute__((always_inline)) inline void u4_tile_block_avx2(
+    const uint8_t* q, float d_, float m_, int64_t b, const float* x, int64_t K, __m256 (&acc)[M][C], int r) {
+  const __m256 d = _mm256_set1_ps(d_), mn = _mm256_set1_ps(m_);
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m128i raw = _mm_loadu_si128((const __m128i*)(q + 16 * b));
+  const __m256i v0 = _mm256_cvtepu8_epi32(raw), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+  const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v0, low4)), d, mn);
+  const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v1, low4)), d, mn);
+  const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v0, 4)), d, mn);
+  const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v1, 4)), d, mn);
+  constexpr int A = C / kOneRowTile;  // accumulators per weight row
+  const int a0 = A * r, a1 = A * r + A - 1;
+  for (int m = 0; m < M; ++m) {
+    const float* xb = x + m * K + 32 * b;
+    acc[m][a0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb), w0, acc[m][a0]);
+    acc[m][a1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 8), w1, acc[m][a1]);
+    acc[m][a0] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 16), w2, acc[m][a0]);
+    acc[m][a1] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + 24), w3, acc[m][a1]);
+  }
+}
+
+// Piece b (16 inputs) of 8-bit weight row r of a tile against M rows of x.
+template <int M, int C>
+AVX2 __attribute__((always_inline)) inline void i8_tile_piece_avx2(
+    const uint8_t* q, RowScales s, int64_t g0, int64_t b, const float* x, int64_t K, __m256 (&acc)[M][C], int r) {
+  const int64_t g = g0 + (b >> s.shift);
+  const __m256 d = _mm256_set1_ps(s.d[g]);
+  const __m128i raw = _mm_loadu_si128((const __m128i*)(q + 16 * b));
+  const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+  const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)));
+  __m256 w0, w1;
+  if (s.m) {
+    const __m256 mn = _mm256_set1_ps(s.m[g]);
+    w0 = _mm256_fmadd_ps(c0, d, mn), w1 = _mm256_fmadd_ps(c1, d, mn);
+  } else {
+    w0 = _mm256_mul_ps(c0, d), w1 = _mm256_mul_ps(c1, d);
+  }
+  constexpr int A = C / kOneRowTile;  // accumulators per weight row
+  const int a0 = A * r, a1 = A * r + A - 1;
+  for (int m = 0; m < M; ++m) {
+    acc[m][a0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + 16 * b), w0, acc[m][a0]);
+    acc[m][a1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + 16 * b + 8), w1, acc[m][a1]);
+  }
+}
+
+// M rows of x (1 .. 3) against weight rows n .. n + kOneRowTile - 1, as the AVX-512 one-row
+// and few-rows tiles with eight lanes: the tile's weight rows are independent accumulator
+// chains, their scales convert in one pass, their sums reduce together, and the rows ahead are
+// prefetched. Each weight block is dequantized once in registers for all M rows of x. With 16
+// vector registers there are two accumulators per weight row for one row of x (eight chains
+// hide the FMA latency) and one per (row of x, weight row) for two or three (up to 12).
+template <int M>
+AVX2 void rows_tile_avx2(const WeightRows& w, int64_t n, const float* x, float* y, int64_t ldy,
+                         float* scratch) {
+  constexpr int R = kOneRowTile;
+  const int64_t G = w.groups, row_bytes = w.code_row_bytes, K = w.K;
+  const uint8_t* q = w.codes + n * row_bytes;
+  prefetch_ahead(q, R * row_bytes);
+  constexpr int A = M == 1 ? 2 : 1;  // accumulators per weight row
+  __m256 acc[M][A * R];
+  for (int m = 0; m < M; ++m)
+    for (int a = 0; a < A * R; ++a) acc[m][a] = _mm256_setzero_ps();
+  if (w.kind == CodeKind::F16 || w.kind == CodeKind::BF16) {  // plain rows: convert and FMA
+    const bool f16 = w.kind == CodeKind::F16;
+    const int64_t K16 = K & ~int64_t(15);
+    for (int64_t k = 0; k < K16; k += 16)
+      for (int r = 0; r < R; ++r) {
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(q + r * row_bytes) + k;
+        const __m128i h0 = _mm_loadu_si128((const __m128i*)h), h1 = _mm_loadu_si128((const __m128i*)(h + 8));
+        const __m256 w0 = f16 ? _mm256_cvtph_ps(h0) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h0), 16));
+        const __m256 w1 = f16 ? _mm256_cvtph_ps(h1) : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h1), 16));
+        for (int m = 0; m < M; ++m) {
+          acc[m][A * r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, acc[m][A * r]);
+          acc[m][A * r + A - 1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, acc[m][A * r + A - 1]);
+        }
+      }
+    for (int m = 0; m < M; ++m) {
+      float tail[R] = {0.f, 0.f, 0.f, 0.f};
+      for (int r = 0; r < R; ++r)
+        for (int64_t k = K16; k < K; ++k) {
+          const uint16_t* h = reinterpret_cast<const uint16_t*>(q + r * row_bytes);
+          const float wk = f16 ? float(reinterpret_cast<const c10::Half*>(h)[k])
+                               : float(reinterpret_cast<const c10::BFloat16*>(h)[k]);
+          tail[r] += x[m * K + k] * wk;
+        }
+      _mm_storeu_ps(y + m * ldy + n, _mm_add_ps(tile_sums_avx2<A>(acc[m]), _mm_loadu_ps(tail)));
+    }
+    return;
+  }
+  const RowScales s = tile_scales_avx2<R>(w, n, scratch, scratch + R * G);
+  if (w.kind == CodeKind::U4) {
+    for (int64_t b = 0; b < G; ++b)
+      for (int r = 0; r < R; ++r)
+        u4_tile_block_avx2<M>(q + r * row_bytes, s.d[r * G + b], s.m[r * G + b], b, x, K, acc, r);
+  } else {
+    for (int64_t b = 0; b < K / 16; ++b)
+      for (int r = 0; r < R; ++r) i8_tile_piece_avx2<M>(q + r * row_bytes, s, r * G, b, x, K, acc, r);
+  }
+  for (int m = 0; m < M; ++m) _mm_storeu_ps(y + m * ldy + n, tile_sums_avx2<A>(acc[m]));
+}
+
+AVX2 void one_row_tile_avx2(const WeightRows& w, int64_t n, const float* x, float* y, float* scratch) {
+  rows_tile_avx2<1>(w, n, x, y, 0, scratch);
+}
+
+// 2 .. kFewRows rows of x in passes of two or three (integer codes).
+AVX2 void few_rows_avx2(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
+                        int64_t ldy, float* scratch) {
+  constexpr int64_t kPass = 3;
+  const int64_t passes = (M + kPass - 1) / kPass;
+  for (int64_t p = 0, m = 0; p < passes; ++p) {
+    const int64_t rows = (M - m) / (passes - p);
+    if (rows == 3) rows_tile_avx2<3>(w, n, x + m * w.K, y + m * ldy, ldy, scratch);
+    else if (rows == 2) rows_tile_avx2<2>(w, n, x + m * w.K, y + m * ldy, ldy, scratch);
+    else rows_tile_avx2<1>(w, n, x + m * w.K, y + m * ldy, ldy, scratch);
+    m += rows;
+  }
+}
 #endif  // __x86_64__
 
 // ------------------------------------------------------------------------------ dispatching
@@ -725,16 +914,22 @@ Isa isa_by_name(const std::string& name) {
   // The AMX product (amx_matmul.cpp) covers 4- and 8-bit codes; AVX-512 does the rest.
   if (name == "amx")
     return {"amx", dequant_row_avx512, dot_rows_avx512, fused_row_avx512, nullptr, one_row_tile_avx512};
-  if (name == "avx2") return {"avx2", dequant_row_avx2, dot_rows_avx2, fused_row_avx2, nullptr};
+  if (name == "avx2")
+    return {"avx2",          dequant_row_avx2,  dot_rows_avx2, fused_row_avx2,
+            tiled_rows_avx2, one_row_tile_avx2, few_rows_avx2};
+  // One weight row at a time, dequantized in registers for every row of x.
+  if (name == "avx2-rows") return {"avx2-rows", dequant_row_avx2, dot_rows_avx2, fused_row_avx2, nullptr};
 #endif
   TORCH_CHECK(name == "portable", "unknown or unavailable instruction set ", name);
   return {"portable", dequant_row_portable, dot_rows_portable, nullptr, nullptr};
 }
 
-// Instruction sets usable here, fastest first; "avx512-tiled" is the AVX-512 product with the
-// 4x4 register tile for every row count (plain "avx512" never tiles), so autotune can measure
-// where the tile starts to pay; "amx" multiplies on AMX tiles (after the AVX-512 ones, which stay
-// the default before autotune has measured).
+// Instruction sets usable here, fastest first; "<isa>-tiled" is that product with the register
+// tile over dequantized weight rows for every row count (plain "<isa>" never tiles), so autotune
+// can measure where the tile starts to pay; "amx" multiplies on AMX tiles (after the AVX-512
+// ones, which stay the default before autotune has measured); "avx2-rows" is the AVX2 product
+// one weight row at a time (no four-row tiles for one to eight rows of x: on an AMD EPYC with
+// AVX2 only, neither form won every shape, so autotune decides).
 std::vector<std::string> available_isas() {
   std::vector<std::string> out;
 #if defined(__x86_64__)
@@ -746,7 +941,7 @@ std::vector<std::string> available_isas() {
     if (specserve_kernels::amx_usable()) out.push_back("amx");
   }
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    out.push_back("avx2");
+    for (const char* name : {"avx2", "avx2-tiled", "avx2-rows"}) out.push_back(name);
 #endif
   out.push_back("portable");
   return out;

@@ -5,7 +5,10 @@ Every candidate computes ``x @ dequant(W).T`` in float32 for a ``StoredWeight``:
 - ``kernel-<isa>``: the C++ kernel (``engine/kernels``) with that instruction set (avx512,
   avx2; portable only where neither exists); one pass over the stored bytes serves every row
   of ``x``, up to eight rows per in-register dequantization (decode, verification);
-- ``kernel-avx512-tiled``: the same with a 4x4 register tile over dequantized rows (batches);
+- ``kernel-avx512-tiled``, ``kernel-avx2-tiled``: the same with a register tile (four weight
+  rows by four or three rows of x) over dequantized rows (batches);
+- ``kernel-avx2-rows``: the AVX2 kernel one weight row at a time instead of four (decode and
+  verification; neither form won every shape on an AVX2-only AMD EPYC);
 - ``dequant-blas``: dequantize the weight to float32 (the kernel's fastest dequantizer, in
   slices of rows), then torch's BLAS product: wins once enough rows share the weight (prefill);
 - ``torch``: dequantize in plain PyTorch, then ``F.linear``. It runs on any device and is the
