@@ -204,11 +204,6 @@ class EngineConfig(_Strict):
     # On a GPU: run every step eagerly instead of replaying CUDA graphs of decode and
     # verification steps (vLLM's flag; for debugging and for comparing the two).
     enforce_eager: bool = False
-    # Opt-in that CHANGES the model's numerics: the quantized products round activations to 8
-    # bits per block of 32 and take integer dot products (llama.cpp's numerics), instead of
-    # float32 products exact to the stored weights. Faster on CPUs without AVX-512; speculative
-    # decoding stays lossless against these numerics. CPU only.
-    int8_activations: bool = False
     # Threads of the products. None (auto): every core while the cores are free, one fewer per
     # core other processes keep busy (engine/thread_governor.py). A number fixes it.
     num_threads: int | None = Field(None, ge=1)
@@ -227,12 +222,6 @@ class EngineConfig(_Strict):
         if kind not in ("cpu", "cuda") or (colon and not numbered):
             raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
         return device
-
-    @model_validator(mode="after")
-    def _int8_activations_on_the_cpu(self) -> EngineConfig:
-        if self.int8_activations and self.device != "cpu":
-            raise ValueError("int8_activations: only on the CPU (device: cpu)")
-        return self
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:

@@ -531,20 +531,6 @@ def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):
     model_dir = resolve_model(config.model)
     # The rope table covers the model's full context; max_model_len only caps requests.
     model, hf_config = load_model(model_dir, DTYPES[config.dtype], config.device, None)
-    if config.int8_activations:
-        from engine.models.int8_activations import use_int8_activations
-
-        switched = use_int8_activations(model)
-        if not switched:
-            raise ValueError(
-                f"int8_activations: {config.model} has no weights stored in 4- or 8-bit codes "
-                "(a GGUF model's are); its products stay exact"
-            )
-        log.warning(
-            "int8_activations: %d projections round activations to 8 bits; outputs are not "
-            "exact to the model's weights",
-            switched,
-        )
     eos = eos_token_ids_of(model_dir, hf_config)
     engine = Engine(config, model, eos, threads)
     engine.constraints = ConstraintFactory.for_model_dir(model_dir, model.arch.vocab_size, eos)

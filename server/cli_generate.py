@@ -37,14 +37,6 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "bfloat16 changes the model's numerics)",
     )
     p.add_argument(
-        "--int8-activations",
-        action="store_true",
-        default=None,
-        help="CHANGES the model's outputs: quantized products round activations to 8 bits "
-        "(llama.cpp's numerics) instead of computing exactly with the stored weights; faster "
-        "on CPUs without AVX-512",
-    )
-    p.add_argument(
         "--decoder",
         help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
         "layerskip, hierarchical, medusa, hydra, eagle or kangaroo",
@@ -91,8 +83,6 @@ def engine_config_from_args(args: argparse.Namespace):
         overrides["enforce_eager"] = True
     if getattr(args, "dtype", None):
         overrides["dtype"] = args.dtype
-    if getattr(args, "int8_activations", None):
-        overrides["int8_activations"] = True
     if getattr(args, "threads", None):
         overrides["num_threads"] = args.threads
     decoder = {

@@ -34,7 +34,6 @@ SOURCES = [
     for name in (
         "dequant_matmul.cpp",
         "amx_matmul.cpp",
-        "int8_activations.cpp",
         "layer_ops.cpp",
         "paged_attention.cpp",
         "decoder_stack.cpp",

@@ -1005,14 +1005,6 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
   const WeightRows w = weight_rows(codes, scales, mins);
   TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " features, the weight ", w.K);
-  const std::string name(isa_name), int8x = "-int8x";
-  if (name.size() > int8x.size() && name.compare(name.size() - int8x.size(), int8x.size(), int8x) == 0) {
-    const at::Tensor xc = x.contiguous();
-    at::Tensor y = at::empty({xc.size(0), codes.size(0)}, xc.options());
-    specserve_kernels::int8_activations_matmul(w, codes.size(0), xc.data_ptr<float>(), xc.size(0),
-                                               y.data_ptr<float>(), name.substr(0, name.size() - int8x.size()));
-    return y;
-  }
   bool tiled_variant = false;
   const Isa isa = checked_isa(isa_name, &tiled_variant);
   const at::Tensor xc = x.contiguous();
@@ -1079,21 +1071,12 @@ std::string cpu_isas() {
   return s;
 }
 
-// The products with 8-bit activations usable here ("<isa>-int8x"), fastest first: not
-// candidates of autotune (they change the numerics), only what model.int8_activations runs.
-std::string int8_activation_products() {
-  std::string s;
-  for (const auto& name : specserve_kernels::int8_activation_isas()) s += (s.empty() ? "" : ",") + name + "-int8x";
-  return s;
-}
-
 }  // namespace
 
 TORCH_LIBRARY(specserve, m) {
   m.def("dequant_matmul(Tensor x, Tensor codes, Tensor scales, Tensor mins, str isa) -> Tensor");
   m.def("dequantize(Tensor codes, Tensor scales, Tensor mins, str isa) -> Tensor");
   m.def("cpu_isas() -> str", cpu_isas);
-  m.def("int8_activation_products() -> str", int8_activation_products);
 }
 
 TORCH_LIBRARY_IMPL(specserve, CPU, m) {

@@ -4,8 +4,6 @@
 #include <c10/util/Half.h>
 
 #include <cstdint>
-#include <string>
-#include <vector>
 
 namespace specserve_kernels {
 
@@ -33,12 +31,5 @@ inline float scale_at(const void* p, bool f16, int64_t i) {
 bool amx_usable();
 bool amx_supports(const WeightRows& w);
 void amx_matmul(const WeightRows& w, int64_t N, const float* x, int64_t M, float* y);
-
-// Products with 8-bit activations (int8_activations.cpp), the opt-in that changes the model's
-// numerics: y[M, N] ~= x[M, K] @ dequant(W).T with x rounded to 8 bits per block of 32.
-bool int8_activations_supports(const WeightRows& w);
-std::vector<std::string> int8_activation_isas();  // usable here, fastest first
-void int8_activations_matmul(const WeightRows& w, int64_t N, const float* x, int64_t M, float* y,
-                             const std::string& isa);
 
 }  // namespace specserve_kernels
