@@ -534,14 +534,36 @@ AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// Most scale groups per row whose float16 scales dequant_row_avx2 converts in one vector pass
+// (a scalar float16 conversion per block cost more than the block's own arithmetic).
+constexpr int64_t kRowGroups = 512;
+
+// Scales (or mins) g0 .. g0 + count - 1 as float32: float16 ones converted into buf.
+AVX2 const float* row_values_avx2(const void* values, bool f16, int64_t g0, int64_t count, float* buf) {
+  if (!f16) return reinterpret_cast<const float*>(values) + g0;
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(values) + g0;
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < count; ++i) buf[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
+  return buf;
+}
+
 AVX2 void dequant_row_avx2(const WeightRows& w, int64_t n, float* out) {
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   const int64_t g0 = n * w.groups;
+  alignas(32) float dbuf[kRowGroups], mbuf[kRowGroups];
+  const bool converted = w.kind != CodeKind::F16 && w.kind != CodeKind::BF16 && w.groups <= kRowGroups;
+  const float* ds = converted ? row_values_avx2(w.scales, w.scales_f16, g0, w.groups, dbuf) : nullptr;
+  const float* ms = converted && w.mins ? row_values_avx2(w.mins, w.scales_f16, g0, w.groups, mbuf) : nullptr;
+  const auto scale = [&](int64_t g) { return ds ? ds[g] : scale_at(w.scales, w.scales_f16, g0 + g); };
+  const auto min = [&](int64_t g) {
+    return !w.mins ? 0.f : ms ? ms[g] : scale_at(w.mins, w.scales_f16, g0 + g);
+  };
   if (w.kind == CodeKind::U4) {
     const __m256i low4 = _mm256_set1_epi32(15);
     for (int64_t b = 0; b < w.groups; ++b) {
-      const __m256 d = _mm256_set1_ps(scale_at(w.scales, w.scales_f16, g0 + b));
-      const __m256 m = _mm256_set1_ps(scale_at(w.mins, w.scales_f16, g0 + b));
+      const __m256 d = _mm256_set1_ps(scale(b));
+      const __m256 m = _mm256_set1_ps(min(b));
       for (int half = 0; half < 2; ++half) {
         const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, low4));
@@ -552,9 +574,9 @@ AVX2 void dequant_row_avx2(const WeightRows& w, int64_t n, float* out) {
     }
   } else if (w.kind == CodeKind::I8) {
     for (int64_t b = 0; b < w.K / 16; ++b) {
-      const int64_t g = g0 + (b >> w.i8_shift);
-      const __m256 d = _mm256_set1_ps(scale_at(w.scales, w.scales_f16, g));
-      const __m256 m = _mm256_set1_ps(w.mins ? scale_at(w.mins, w.scales_f16, g) : 0.f);
+      const int64_t g = b >> w.i8_shift;
+      const __m256 d = _mm256_set1_ps(scale(g));
+      const __m256 m = _mm256_set1_ps(min(g));
       for (int half = 0; half < 2; ++half) {
         const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(q + 16 * b + 8 * half)));
         _mm256_storeu_ps(out + 16 * b + 8 * half, _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m));
