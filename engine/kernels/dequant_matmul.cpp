@@ -891,19 +891,83 @@ AVX2 void one_row_tile_avx2(const WeightRows& w, int64_t n, const float* x, floa
   rows_tile_avx2<1>(w, n, x, y, 0, scratch);
 }
 
-// 2 .. kFewRows rows of x in passes of two or three (integer codes).
+// Four to six rows of x against weight rows n, n + 1: each block's weights built once in
+// registers, eight at a time, for all M rows (M x 2 accumulators and the weight vector fit the
+// 16 registers), so a verification pass of four drafts dequantizes each weight once instead of
+// once per pass of three rows.
+template <int M>
+AVX2 void rows_pair_avx2(const WeightRows& w, int64_t n, const float* x, float* y, int64_t ldy,
+                         float* scratch) {
+  constexpr int R = 2;
+  const int64_t G = w.groups, row_bytes = w.code_row_bytes, K = w.K;
+  const uint8_t* q = w.codes + n * row_bytes;
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const RowScales s = tile_scales_avx2<R>(w, n, scratch, scratch + R * G);
+  if (w.kind == CodeKind::U4) {
+    const __m256i low4 = _mm256_set1_epi32(15);
+    for (int64_t b = 0; b < G; ++b)
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(s.d[r * G + b]), mn = _mm256_set1_ps(s.m[r * G + b]);
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b));
+        const __m256i v0 = _mm256_cvtepu8_epi32(raw), v1 = _mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8));
+        const __m256i codes[4] = {_mm256_and_si256(v0, low4), _mm256_and_si256(v1, low4),
+                                  _mm256_srli_epi32(v0, 4), _mm256_srli_epi32(v1, 4)};
+        for (int j = 0; j < 4; ++j) {
+          const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[j]), d, mn);
+          for (int m = 0; m < M; ++m)
+            acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + 32 * b + 8 * j), wv, acc[m][r]);
+        }
+      }
+  } else {  // 8-bit codes in pieces of 16
+    for (int64_t b = 0; b < K / 16; ++b)
+      for (int r = 0; r < R; ++r) {
+        const int64_t g = r * G + (b >> s.shift);
+        const __m256 d = _mm256_set1_ps(s.d[g]);
+        const __m256 mn = s.m ? _mm256_set1_ps(s.m[g]) : _mm256_setzero_ps();
+        const __m128i raw = _mm_loadu_si128((const __m128i*)(q + r * row_bytes + 16 * b));
+        const __m256i codes[2] = {_mm256_cvtepi8_epi32(raw), _mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))};
+        for (int j = 0; j < 2; ++j) {
+          const __m256 wv = _mm256_fmadd_ps(_mm256_cvtepi32_ps(codes[j]), d, mn);
+          for (int m = 0; m < M; ++m)
+            acc[m][r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + 16 * b + 8 * j), wv, acc[m][r]);
+        }
+      }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m128 sums = sum4_avx2(acc[m][0], acc[m][1], _mm256_setzero_ps(), _mm256_setzero_ps());
+    y[m * ldy + n] = _mm_cvtss_f32(sums);
+    y[m * ldy + n + 1] = _mm_cvtss_f32(_mm_shuffle_ps(sums, sums, 1));
+  }
+}
+
+template <int M>
+AVX2 void rows_pairs_avx2(const WeightRows& w, int64_t n, const float* x, float* y, int64_t ldy,
+                          float* scratch) {
+  for (int64_t p = 0; p < kOneRowTile; p += 2) rows_pair_avx2<M>(w, n + p, x, y, ldy, scratch);
+}
+
+// 2 .. kFewRows rows of x: two or three in one pass of four weight rows, four to six in passes
+// of two weight rows, seven or eight as four and the rest.
 AVX2 void few_rows_avx2(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
                         int64_t ldy, float* scratch) {
-  constexpr int64_t kPass = 3;
-  const int64_t passes = (M + kPass - 1) / kPass;
-  for (int64_t p = 0, m = 0; p < passes; ++p) {
-    const int64_t rows = (M - m) / (passes - p);
-    if (rows == 3) rows_tile_avx2<3>(w, n, x + m * w.K, y + m * ldy, ldy, scratch);
-    else if (rows == 2) rows_tile_avx2<2>(w, n, x + m * w.K, y + m * ldy, ldy, scratch);
-    else rows_tile_avx2<1>(w, n, x + m * w.K, y + m * ldy, ldy, scratch);
+  for (int64_t m = 0; m < M;) {
+    const int64_t left = M - m, rows = left > 6 ? 4 : left;
+    const float* xm = x + m * w.K;
+    float* ym = y + m * ldy;
+    switch (rows) {
+      case 6: rows_pairs_avx2<6>(w, n, xm, ym, ldy, scratch); break;
+      case 5: rows_pairs_avx2<5>(w, n, xm, ym, ldy, scratch); break;
+      case 4: rows_pairs_avx2<4>(w, n, xm, ym, ldy, scratch); break;
+      case 3: rows_tile_avx2<3>(w, n, xm, ym, ldy, scratch); break;
+      case 2: rows_tile_avx2<2>(w, n, xm, ym, ldy, scratch); break;
+      default: rows_tile_avx2<1>(w, n, xm, ym, ldy, scratch); break;
+    }
     m += rows;
   }
 }
+
 #endif  // __x86_64__
 
 // ------------------------------------------------------------------------------ dispatching
