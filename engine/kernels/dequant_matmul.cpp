@@ -534,27 +534,36 @@ AVX2 inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+AVX2 void halves_to_float_avx2(const void* src, int64_t count, float* dst) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < count; ++i) dst[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
+}
+
+// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values).
+template <int R>
+AVX2 RowScales tile_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
+  const int64_t g0 = n * w.groups, count = R * w.groups;
+  if (!w.scales_f16)
+    return {reinterpret_cast<const float*>(w.scales) + g0,
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
+  halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
+  if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
+  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
+}
+
 // Most scale groups per row whose float16 scales dequant_row_avx2 converts in one vector pass
 // (a scalar float16 conversion per block cost more than the block's own arithmetic).
 constexpr int64_t kRowGroups = 512;
-
-// Scales (or mins) g0 .. g0 + count - 1 as float32: float16 ones converted into buf.
-AVX2 const float* row_values_avx2(const void* values, bool f16, int64_t g0, int64_t count, float* buf) {
-  if (!f16) return reinterpret_cast<const float*>(values) + g0;
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(values) + g0;
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
-  for (; i < count; ++i) buf[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
-  return buf;
-}
 
 AVX2 void dequant_row_avx2(const WeightRows& w, int64_t n, float* out) {
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   const int64_t g0 = n * w.groups;
   alignas(32) float dbuf[kRowGroups], mbuf[kRowGroups];
   const bool converted = w.kind != CodeKind::F16 && w.kind != CodeKind::BF16 && w.groups <= kRowGroups;
-  const float* ds = converted ? row_values_avx2(w.scales, w.scales_f16, g0, w.groups, dbuf) : nullptr;
-  const float* ms = converted && w.mins ? row_values_avx2(w.mins, w.scales_f16, g0, w.groups, mbuf) : nullptr;
+  const RowScales rs = converted ? tile_scales_avx2<1>(w, n, dbuf, mbuf) : RowScales{nullptr, nullptr};
+  const float *ds = rs.d, *ms = rs.m;
   const auto scale = [&](int64_t g) { return ds ? ds[g] : scale_at(w.scales, w.scales_f16, g0 + g); };
   const auto min = [&](int64_t g) {
     return !w.mins ? 0.f : ms ? ms[g] : scale_at(w.mins, w.scales_f16, g0 + g);
@@ -634,23 +643,6 @@ AVX2 void dot_rows_avx2(const float* x, int64_t M, int64_t K, const float* w, fl
   }
 }
 
-AVX2 void halves_to_float_avx2(const void* src, int64_t count, float* dst) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
-  for (; i < count; ++i) dst[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
-}
-
-AVX2 RowScales row_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
-  const int64_t g0 = n * w.groups;
-  if (!w.scales_f16)
-    return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
-  halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, w.groups, dbuf);
-  if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, w.groups, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
-}
-
 // As the AVX-512 version with 8 lanes: a 4-bit block is four vectors (weights 0-7, 8-15, 16-23,
 // 24-31), which already gives a row four independent accumulators; 16 registers allow two rows.
 template <int MR>
@@ -702,7 +694,7 @@ AVX2 void fused_i8_avx2(const uint8_t* q, RowScales s, int64_t G, const float* x
 
 AVX2 void fused_row_avx2(const WeightRows& w, int64_t n, const float* x, int64_t M, float* y,
                          int64_t ldy, float* scratch) {
-  const RowScales s = row_scales_avx2(w, n, scratch, scratch + w.groups);
+  const RowScales s = tile_scales_avx2<1>(w, n, scratch, scratch + w.groups);
   const uint8_t* q = w.codes + n * w.code_row_bytes;
   prefetch_ahead(q, w.code_row_bytes);
   const int64_t K = w.K, G = w.kind == CodeKind::U4 ? w.groups : K / 16;  // blocks, or pieces
@@ -714,18 +706,6 @@ AVX2 void fused_row_avx2(const WeightRows& w, int64_t n, const float* x, int64_t
   if (m < M)
     u4 ? fused_u4_avx2<1>(q, s, G, x + m * K, K, y + m * ldy, ldy)
        : fused_i8_avx2<1>(q, s, G, x + m * K, K, y + m * ldy, ldy);
-}
-
-// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values).
-template <int R>
-AVX2 RowScales tile_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
-  const int64_t g0 = n * w.groups, count = R * w.groups;
-  if (!w.scales_f16)
-    return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
-  halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
-  if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
 }
 
 // The four sums of a, b, c, d in lanes 0..3.
