@@ -323,7 +323,9 @@ def test_killed_engine_fails_in_flight_stream_then_restarts(served):
             await collect(client, "too-early", [1, 2], SamplingParams())
         assert await client.wait_ready(60)
         assert client.pid not in (None, old_pid)
-        return await collect(client, "after", [11, 12, 13], SamplingParams(max_tokens=4))
+        # ignore_eos: an unseeded sample of EOS would end it early (a 1-in-80 flake)
+        after = SamplingParams(max_tokens=4, ignore_eos=True)
+        return await collect(client, "after", [11, 12, 13], after)
 
     deltas = runner.run(scenario(), timeout=90)
     assert sum(len(c.new_token_ids) for d in deltas for c in d.choices) == 4
