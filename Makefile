@@ -9,7 +9,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 TORCH_SPEC ?= torch==$(TORCH_VERSION)
 TORCH_PIP_ARGS ?=
-PYTEST_ARGS ?= -q
+PYTEST_ARGS ?= -q --durations=20
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
