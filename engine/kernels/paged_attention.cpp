@@ -22,39 +22,52 @@ struct Geometry {
   int64_t heads, kv_heads, dim, keys, queries;
 };
 
-// q . k in GCC vector types: 16 lanes of partial sums (one AVX-512 register, two AVX2 ones in
-// that clone), folded in halves. Written as plain float loops this compiled to a scalar fold
-// that cost more than the products. Inlined into each clone below.
+// Vectors in GCC vector types, W lanes wide: 16 (one AVX-512 register) in the AVX-512 build of
+// the kernel, 8 (one AVX2 register) in the others. Each build must use its own register width:
+// 16-lane vectors compiled for AVX2 became pairs of halves moved through the stack, a scalar
+// broadcast became sixteen stores, and attention ran 5-7x slower than it does with 8 lanes.
 typedef float Lanes16 __attribute__((vector_size(64)));
 typedef float Lanes8 __attribute__((vector_size(32)));
 typedef float Lanes4 __attribute__((vector_size(16)));
 
+template <typename V>
+constexpr int lanes() {
+  return sizeof(V) / sizeof(float);
+}
+
+template <typename V>
+__attribute__((always_inline)) inline V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+template <typename V>
+__attribute__((always_inline)) inline V splat(float x) {
+  V v;
+  for (int i = 0; i < lanes<V>(); ++i) v[i] = x;
+  return v;
+}
+
+// q . k for head sizes without a vector path (plain loop, in lanes of four).
 inline float dot(const float* a, const float* b, int64_t n) {
-  Lanes16 acc = {};
+  Lanes4 acc = {};
   int64_t d = 0;
-  for (; d + 16 <= n; d += 16) {
-    Lanes16 x, y;
-    std::memcpy(&x, a + d, sizeof x);
-    std::memcpy(&y, b + d, sizeof y);
-    acc += x * y;
-  }
-  const Lanes8 h8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
-                    __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Lanes4 h4 = __builtin_shufflevector(h8, h8, 0, 1, 2, 3) + __builtin_shufflevector(h8, h8, 4, 5, 6, 7);
-  float s = (h4[0] + h4[2]) + (h4[1] + h4[3]);
+  for (; d + 4 <= n; d += 4) acc += load<Lanes4>(a + d) * load<Lanes4>(b + d);
+  float s = (acc[0] + acc[2]) + (acc[1] + acc[3]);
   for (; d < n; ++d) s += a[d] * b[d];
   return s;
 }
 
 // Cache rows are scattered over the cache's slots, so the hardware prefetcher does not see them
 // coming: ask for a row a few keys ahead (a hint; it never faults, whatever the address).
-template <int N>
+template <int Lines>
 __attribute__((always_inline)) inline void prefetch_row(const float* row) {
-  for (int c = 0; c < N; ++c) __builtin_prefetch(row + 16 * c);
+  for (int c = 0; c < Lines; ++c) __builtin_prefetch(row + 16 * c);
 }
 
-// Lane i of the result = the sum of v[i]'s 16 lanes: sixteen dot products finished together
-// by halving pairs (30 two-source shuffles and 15 adds), instead of folding each on its own.
+// Lane i of the result = the sum of v[i]'s lanes: W dot products finished together by halving
+// pairs (a two-source shuffle pair and an add per step), instead of folding each on its own.
 __attribute__((always_inline)) inline Lanes16 sum_each(Lanes16 v[16]) {
   Lanes16 u[8], w[4], x[2];
   for (int k = 0; k < 8; ++k)  // lanes 0-7 fold v[2k], lanes 8-15 fold v[2k+1]
@@ -78,34 +91,43 @@ __attribute__((always_inline)) inline Lanes16 sum_each(Lanes16 v[16]) {
                                  29, 31);
 }
 
-// scores[h L + l] = scale * q[h] . k[l] for the group's query heads h and keys l (D = 16 N),
-// sixteen keys at a time, every head before the next sixteen keys, so each key row comes from
-// memory once. A key the mask hides scores -inf and is never read (its slot may hold anything).
-template <int N>
+__attribute__((always_inline)) inline Lanes8 sum_each(Lanes8 v[8]) {
+  Lanes8 u[4], w[2];
+  for (int k = 0; k < 4; ++k)  // lanes 0-3 fold v[2k], lanes 4-7 fold v[2k+1]
+    u[k] = __builtin_shufflevector(v[2 * k], v[2 * k + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * k], v[2 * k + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int k = 0; k < 2; ++k)  // each pair of lanes folds one of v[4k .. 4k+3]
+    w[k] = __builtin_shufflevector(u[2 * k], u[2 * k + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(u[2 * k], u[2 * k + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+
+// scores[h L + l] = scale * q[h] . k[l] for the group's query heads h and keys l (D = W N),
+// W keys at a time, every head before the next W keys, so each key row comes from memory once.
+// A key the mask hides scores -inf and is never read (its slot may hold anything).
+template <typename V, int N>
 __attribute__((always_inline)) inline void score_keys(const float* q, int64_t group,
                                                       const float* k_cache, const int64_t* slots,
                                                       const bool* visible, int64_t kv_heads,
                                                       int64_t kvh, int64_t L, float scale,
                                                       float* scores) {
-  for (int64_t l0 = 0; l0 < L; l0 += 16) {
-    const int64_t n = std::min<int64_t>(16, L - l0);
-    for (int64_t i = l0 + 16; i < std::min<int64_t>(L, l0 + 32); ++i)
-      prefetch_row<N>(k_cache + (slots[i] * kv_heads + kvh) * 16 * N);
+  constexpr int W = lanes<V>(), D = W * N;
+  for (int64_t l0 = 0; l0 < L; l0 += W) {
+    const int64_t n = std::min<int64_t>(W, L - l0);
+    for (int64_t i = l0 + 16; i < std::min<int64_t>(L, l0 + 16 + W); ++i)
+      prefetch_row<D / 16>(k_cache + (slots[i] * kv_heads + kvh) * D);
     for (int64_t h = 0; h < group; ++h) {
-      Lanes16 qv[N];
-      for (int c = 0; c < N; ++c) std::memcpy(&qv[c], q + h * 16 * N + 16 * c, sizeof qv[c]);
-      Lanes16 part[16];
-      for (int64_t i = 0; i < 16; ++i) {
-        part[i] = Lanes16{};
+      V qv[N];
+      for (int c = 0; c < N; ++c) qv[c] = load<V>(q + h * D + W * c);
+      V part[W];
+      for (int64_t i = 0; i < W; ++i) {
+        part[i] = V{};
         if (i >= n || (visible && !visible[l0 + i])) continue;
-        const float* kr = k_cache + (slots[l0 + i] * kv_heads + kvh) * 16 * N;
-        for (int c = 0; c < N; ++c) {
-          Lanes16 k;
-          std::memcpy(&k, kr + 16 * c, sizeof k);
-          part[i] += qv[c] * k;
-        }
+        const float* kr = k_cache + (slots[l0 + i] * kv_heads + kvh) * D;
+        for (int c = 0; c < N; ++c) part[i] += qv[c] * load<V>(kr + W * c);
       }
-      const Lanes16 s = sum_each(part) * scale;
+      const V s = sum_each(part) * scale;
       for (int64_t i = 0; i < n; ++i)
         scores[h * L + l0 + i] =
             visible && !visible[l0 + i] ? -std::numeric_limits<float>::infinity() : s[i];
@@ -114,81 +136,81 @@ __attribute__((always_inline)) inline void score_keys(const float* q, int64_t gr
 }
 
 // p[0 .. L) = softmax(p) in place; exactly 0 where p was -inf.
+template <typename V>
 __attribute__((always_inline)) inline void softmax_in_place(float* p, int64_t L) {
   // Reductions in explicit lanes: a plain float loop's max and sum stay scalar (their order
   // is fixed without -ffast-math), and the exp loop with them.
-  Lanes16 top;
-  for (int i = 0; i < 16; ++i) top[i] = -std::numeric_limits<float>::infinity();
+  constexpr int W = lanes<V>();
+  V top = splat<V>(-std::numeric_limits<float>::infinity());
   int64_t l = 0;
-  for (; l + 16 <= L; l += 16) {
-    Lanes16 s;
-    std::memcpy(&s, p + l, sizeof s);
+  for (; l + W <= L; l += W) {
+    const V s = load<V>(p + l);
     top = top > s ? top : s;
   }
   float best = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < 16; ++i) best = std::max(best, top[i]);
+  for (int i = 0; i < W; ++i) best = std::max(best, top[i]);
   for (; l < L; ++l) best = std::max(best, p[l]);
   for (l = 0; l < L; ++l) p[l] = specserve_kernels::vector_exp(p[l] - best);
-  Lanes16 sum = {};
-  for (l = 0; l + 16 <= L; l += 16) {
-    Lanes16 s;
-    std::memcpy(&s, p + l, sizeof s);
-    sum += s;
-  }
+  V sum = {};
+  for (l = 0; l + W <= L; l += W) sum += load<V>(p + l);
   float total = 0.f;
-  for (int i = 0; i < 16; ++i) total += sum[i];
+  for (int i = 0; i < W; ++i) total += sum[i];
   for (; l < L; ++l) total += p[l];
   const float inv = 1.f / total;
   for (l = 0; l < L; ++l) p[l] *= inv;
 }
 
-// out[h] = sum over visible keys l of p[h][l] * v[l] for G heads at once (D = 16 N), the sums
+// out[h] = sum over visible keys l of p[h][l] * v[l] for G heads at once (D = W N), the sums
 // held in registers; each value row is read once for all G heads.
-template <int N, int G>
+template <typename V, int N, int G>
 __attribute__((always_inline)) inline void weigh_values(const float* p, const float* v_cache,
                                                         const int64_t* slots, const bool* visible,
                                                         int64_t kv_heads, int64_t kvh, int64_t L,
                                                         float* out) {
-  Lanes16 acc[G][N] = {};
+  constexpr int W = lanes<V>(), D = W * N;
+  V acc[G][N] = {};
   for (int64_t l = 0; l < L; ++l) {
-    if (l + 16 < L) prefetch_row<N>(v_cache + (slots[l + 16] * kv_heads + kvh) * 16 * N);
+    if (l + 16 < L) prefetch_row<D / 16>(v_cache + (slots[l + 16] * kv_heads + kvh) * D);
     if (visible && !visible[l]) continue;  // never read: its slot may hold anything
-    const float* vr = v_cache + (slots[l] * kv_heads + kvh) * 16 * N;
+    const float* vr = v_cache + (slots[l] * kv_heads + kvh) * D;
     for (int i = 0; i < N; ++i) {
       // One vector at a time, never the array's address: GCC then keeps the sums in registers
       // (with a memcpy of the whole array it kept them on the stack, one store per FMA).
-      Lanes16 v;
-      std::memcpy(&v, vr + 16 * i, sizeof v);
+      const V v = load<V>(vr + W * i);
       for (int h = 0; h < G; ++h) acc[h][i] += p[h * L + l] * v;
     }
   }
   for (int h = 0; h < G; ++h)
     for (int i = 0; i < N; ++i) {
-      const Lanes16 a = acc[h][i];
-      std::memcpy(out + h * 16 * N + 16 * i, &a, sizeof a);
+      const V a = acc[h][i];
+      std::memcpy(out + h * D + W * i, &a, sizeof a);
     }
 }
 
 // Value sums for `group` heads, G of them per pass (G N registers of sums).
-template <int N, int G>
+template <typename V, int N, int G>
 __attribute__((always_inline)) inline void weigh_values_grouped(const float* p, const float* v_cache, const int64_t* slots,
                                  const bool* visible, int64_t kv_heads, int64_t kvh, int64_t L,
                                  int64_t group, float* out) {
+  constexpr int D = lanes<V>() * N;
   int64_t h = 0;
   for (; h + G <= group; h += G)
-    weigh_values<N, G>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * 16 * N);
+    weigh_values<V, N, G>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * D);
   for (; h < group; ++h)
-    weigh_values<N, 1>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * 16 * N);
+    weigh_values<V, N, 1>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * D);
 }
 
 // One sequence (group member) and one KV head: every query row of the member, for every query
-// head sharing that KV head, attends to its visible keys. Cloned for AVX-512, AVX2 and
-// baseline; the loader picks at run time. Head sizes of 64 and 128 take the vector paths.
-__attribute__((target_clones("avx512f", "avx2,fma", "default")))
-void attend_member_kv_head(const float* q, const float* k_cache, const float* v_cache,
-                           const int64_t* rows, const int64_t* slots, const bool* mask,
-                           const bool* valid, Geometry g, int64_t kvh, float scale, float* out,
-                           float* scores) {
+// head sharing that KV head, attends to its visible keys. Head sizes of 64 and 128 take the
+// vector paths; V is the build's vector (see Lanes16 above) and G its heads per value pass,
+// as many as leave half the registers to the sums (AVX-512: 32 registers, AVX2: 16).
+template <typename V, int G64, int G128>
+__attribute__((always_inline)) inline void attend(const float* q, const float* k_cache,
+                                                  const float* v_cache, const int64_t* rows,
+                                                  const int64_t* slots, const bool* mask,
+                                                  const bool* valid, Geometry g, int64_t kvh,
+                                                  float scale, float* out, float* scores) {
+  constexpr int W = lanes<V>();
   const int64_t D = g.dim, group = g.heads / g.kv_heads, L = g.keys;
   for (int64_t j = 0; j < g.queries; ++j) {
     if (valid && !valid[j]) continue;
@@ -196,9 +218,9 @@ void attend_member_kv_head(const float* q, const float* k_cache, const float* v_
     const float* qr = q + (rows[j] * g.heads + kvh * group) * D;  // the group's heads, adjacent
     float* o = out + (rows[j] * g.heads + kvh * group) * D;
     if (D == 64) {
-      score_keys<4>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
+      score_keys<V, 64 / W>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
     } else if (D == 128) {
-      score_keys<8>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
+      score_keys<V, 128 / W>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
     } else {
       for (int64_t h = 0; h < group; ++h)
         for (int64_t l = 0; l < L; ++l) {
@@ -207,11 +229,11 @@ void attend_member_kv_head(const float* q, const float* k_cache, const float* v_
                                                      : dot(qr + h * D, kr, D) * scale;
         }
     }
-    for (int64_t h = 0; h < group; ++h) softmax_in_place(scores + h * L, L);
+    for (int64_t h = 0; h < group; ++h) softmax_in_place<V>(scores + h * L, L);
     if (D == 64) {
-      weigh_values_grouped<4, 4>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
+      weigh_values_grouped<V, 64 / W, G64>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
     } else if (D == 128) {
-      weigh_values_grouped<8, 2>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
+      weigh_values_grouped<V, 128 / W, G128>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
     } else {
       std::fill(o, o + group * D, 0.f);
       for (int64_t h = 0; h < group; ++h) {
@@ -225,6 +247,37 @@ void attend_member_kv_head(const float* q, const float* k_cache, const float* v_
       }
     }
   }
+}
+
+using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, const int64_t*,
+                          const bool*, const bool*, Geometry, int64_t, float, float*, float*);
+
+__attribute__((target("avx512f")))
+void attend_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
+                   const int64_t* slots, const bool* mask, const bool* valid, Geometry g, int64_t kvh,
+                   float scale, float* out, float* scores) {
+  attend<Lanes16, 4, 2>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores);
+}
+
+__attribute__((target("avx2,fma")))
+void attend_avx2(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
+                 const int64_t* slots, const bool* mask, const bool* valid, Geometry g, int64_t kvh,
+                 float scale, float* out, float* scores) {
+  attend<Lanes8, 1, 1>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores);
+}
+
+void attend_baseline(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
+                     const int64_t* slots, const bool* mask, const bool* valid, Geometry g, int64_t kvh,
+                     float scale, float* out, float* scores) {
+  attend<Lanes8, 1, 1>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores);
+}
+
+// The widest build this CPU runs, chosen once.
+AttendFn attend_for_this_cpu() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return attend_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return attend_avx2;
+  return attend_baseline;
 }
 
 // q [T, H, D]; caches [slots, KVH, D]; query_index [b, qn] rows of q (padding repeats a row);
@@ -257,15 +310,15 @@ void cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     TORCH_CHECK(slots[i] >= 0 && slots[i] < k_cache.size(0), "cache slot ", slots[i], " out of range");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
                   out.sizes() == q.sizes(), "cache or output shape mismatch");
+  static const AttendFn attend_here = attend_for_this_cpu();
   at::parallel_for(0, members * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g.heads / g.kv_heads * g.keys);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / g.kv_heads, kvh = t % g.kv_heads;
-      attend_member_kv_head(q.data_ptr<float>(), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>(), rows + i * g.queries, slots + i * g.keys,
-                            m ? m + i * g.queries * g.keys : nullptr,
-                            ok ? ok + i * g.queries : nullptr, g, kvh, float(scale),
-                            out.data_ptr<float>(), scores.data());
+      attend_here(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                  rows + i * g.queries, slots + i * g.keys, m ? m + i * g.queries * g.keys : nullptr,
+                  ok ? ok + i * g.queries : nullptr, g, kvh, float(scale), out.data_ptr<float>(),
+                  scores.data());
     }
   });
 }
