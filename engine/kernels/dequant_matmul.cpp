@@ -201,6 +201,23 @@ struct RowScales {
   int shift = 0;   // 8-bit codes: piece p of 16 inputs uses scale p >> shift
 };
 
+using HalvesToFloat = void (*)(const void* src, int64_t count, float* dst);
+
+// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values), so the
+// block loops broadcast them straight from memory: float32 ones where they lie, float16 ones
+// converted into dbuf / mbuf by the instruction set's `convert`.
+template <int R, HalvesToFloat convert>
+__attribute__((always_inline)) inline RowScales tile_scales(const WeightRows& w, int64_t n, float* dbuf,
+                                                            float* mbuf) {
+  const int64_t g0 = n * w.groups, count = R * w.groups;
+  if (!w.scales_f16)
+    return {reinterpret_cast<const float*>(w.scales) + g0,
+            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
+  convert(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
+  if (w.mins) convert(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
+  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
+}
+
 // count float16 values to float32 (count need not be a multiple of 16).
 AVX512 void halves_to_float_masked_avx512(const void* src, int64_t count, float* dst) {
   const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
@@ -212,17 +229,9 @@ AVX512 void halves_to_float_masked_avx512(const void* src, int64_t count, float*
   }
 }
 
-// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values), so the
-// block loops broadcast them straight from memory.
 template <int R>
 AVX512 RowScales tile_scales_avx512(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
-  const int64_t g0 = n * w.groups, count = R * w.groups;
-  if (!w.scales_f16)
-    return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
-  halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
-  if (w.mins) halves_to_float_masked_avx512(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
+  return tile_scales<R, halves_to_float_masked_avx512>(w, n, dbuf, mbuf);
 }
 
 // One 4-bit block: dequantize 32 weights in registers, accumulate into acc[r][2u], acc[r][2u+1].
@@ -541,16 +550,9 @@ AVX2 void halves_to_float_avx2(const void* src, int64_t count, float* dst) {
   for (; i < count; ++i) dst[i] = float(reinterpret_cast<const c10::Half*>(h)[i]);
 }
 
-// Scales (and mins) of weight rows n .. n + R - 1 as float32 (R * G consecutive values).
 template <int R>
 AVX2 RowScales tile_scales_avx2(const WeightRows& w, int64_t n, float* dbuf, float* mbuf) {
-  const int64_t g0 = n * w.groups, count = R * w.groups;
-  if (!w.scales_f16)
-    return {reinterpret_cast<const float*>(w.scales) + g0,
-            w.mins ? reinterpret_cast<const float*>(w.mins) + g0 : nullptr, w.i8_shift};
-  halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.scales) + g0, count, dbuf);
-  if (w.mins) halves_to_float_avx2(reinterpret_cast<const uint16_t*>(w.mins) + g0, count, mbuf);
-  return {dbuf, w.mins ? mbuf : nullptr, w.i8_shift};
+  return tile_scales<R, halves_to_float_avx2>(w, n, dbuf, mbuf);
 }
 
 // Most scale groups per row whose float16 scales dequant_row_avx2 converts in one vector pass
