@@ -12,6 +12,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "RequestOutput": "engine.outputs",
     "CompletionOutput": "engine.outputs",
+    "ConstraintSpec": "engine.constraints",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -2,8 +2,8 @@
 gives back, on the machine at hand.
 
 1. The mask cost per token of each grammar library installed (llguidance, which the engine
-   uses; outlines-core when present), on schemas of our own with one valid document each:
-   compile time, then median and worst time per mask along the document.
+   uses; outlines-core and xgrammar when present), on schemas of our own with one valid
+   document each: compile time, then median and worst time per mask along the document.
 2. JSON-schema requests through the engine: tok/s with autoregressive decoding and with each
    named decoder, greedy, in one run (ratios against the autoregressive run), and whether the
    outputs are identical and parse.
@@ -90,9 +90,10 @@ def mask_timings(tokenizer, vocab_size: int, eos: list[int]) -> list[MaskTiming]
     for name, (schema, document) in SCHEMAS.items():
         ids = tokenizer.encode(json.dumps(document), add_special_tokens=False)
         results.append(_llguidance_timing(tokenizer, vocab_size, eos, name, schema, ids))
-        outlines = _outlines_timing(tokenizer, vocab_size, eos, name, schema, ids)
-        if outlines is not None:
-            results.append(outlines)
+        for other in (_outlines_timing, _xgrammar_timing):
+            timing = other(tokenizer, vocab_size, eos, name, schema, ids)
+            if timing is not None:
+                results.append(timing)
     return results
 
 
@@ -133,6 +134,30 @@ def _outlines_timing(tokenizer, vocab_size, eos, name, schema, ids) -> MaskTimin
         if token is not None:
             guide.advance(token)
     return _timing("outlines-core", name, compile_ms, times)
+
+
+def _xgrammar_timing(tokenizer, vocab_size, eos, name, schema, ids) -> MaskTiming | None:
+    try:
+        import xgrammar
+    except ImportError:
+        return None
+    info = xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=eos
+    )
+    compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)
+    started = time.perf_counter()
+    compiled = compiler.compile_json_schema(json.dumps(schema))
+    compile_ms = (time.perf_counter() - started) * 1e3
+    matcher = xgrammar.GrammarMatcher(compiled)
+    bitmask = xgrammar.allocate_token_bitmask(1, info.vocab_size)
+    times = []
+    for token in [*ids, None]:
+        started = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask)
+        times.append(time.perf_counter() - started)
+        if token is not None:
+            assert matcher.accept_token(token)
+    return _timing("xgrammar", name, compile_ms, times)
 
 
 def _byte_vocabulary(tokenizer, eos: set[int]) -> dict[bytes, list[int]]:
