@@ -1,7 +1,8 @@
 """The engine on a CUDA GPU, on the real SmolLM2: greedy output of every decoder equals the
 GPU's own autoregressive output (float32), CUDA graphs replay what eager steps compute, float32
-greedy output equals transformers' on the same GPU, every decoder samples in both dtypes, and
-no KV block outlives its request.
+greedy output equals transformers' on the same GPU, every decoder samples in both dtypes,
+constrained output (a JSON schema, choices, banned words) keeps to its constraint with every
+decoder, and no KV block outlives its request.
 
 CI has no GPU: every test here is skipped there, with the reason. The CPU suite covers the
 same code paths on the CPU; these catch what only a GPU shows (device placement, dtypes).
@@ -9,10 +10,13 @@ same code paths on the CPU; these catch what only a GPU shows (device placement,
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, ConstraintSpec, SamplingParams
 from engine.decoders import SpeculativeOptions
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -99,6 +103,41 @@ def test_sampling_runs_with_every_decoder_on_the_gpu(gpu_llm):
     for name in ["autoregressive", *DECODERS]:
         got = gpu_llm.generate(batch, params, SpeculativeOptions(name))
         assert all(len(out.token_ids) == 24 for out in got), name
+
+
+def test_constraints_mask_the_logits_on_the_gpu(gpu_llm):
+    """A constraint's mask is built on the CPU and must reach logits on the GPU: a JSON schema,
+    choices and banned words in one batch, greedy and sampled, with every decoder (the
+    drafters' q is masked too); in float32, greedy output is the same with every decoder."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    prompt = gpu_llm.render_chat([{"role": "user", "content": "Is tea good? Answer in JSON."}])
+    greedy = {}
+    for name in ["autoregressive", *DECODERS]:
+        for temperature in (0.0, 0.8):
+            common = {"temperature": temperature, "seed": 5, "max_tokens": 128}
+            batch = [
+                SamplingParams(**common, constraint=ConstraintSpec("json_schema", schema)),
+                SamplingParams(**common, constraint=ConstraintSpec("choice", ["yes", "no"])),
+                SamplingParams(**common, banned_words=["tea"]),
+            ]
+            outs = gpu_llm.generate([prompt] * 3, batch, SpeculativeOptions(name))
+            document, choice, free = (out.outputs[0] for out in outs)
+            assert document.finish_reason == "stop", (name, document.text)
+            assert set(json.loads(document.text)) == {"ok"}, name
+            assert choice.text in ("yes", "no"), (name, choice.text)
+            assert not re.search(r"(?<!\w)tea(?!\w)", free.text, re.IGNORECASE), name
+            if temperature == 0:
+                greedy[name] = [out.outputs[0].token_ids for out in outs]
+    if gpu_llm.config.dtype == "float32":
+        for name, ids in greedy.items():
+            assert ids == greedy["autoregressive"], name
+    manager = gpu_llm.engine.block_manager
+    assert manager.num_free_blocks == manager.num_blocks
 
 
 def test_cuda_graphs_replay_what_eager_steps_compute(smollm2_path):

@@ -32,7 +32,10 @@ class ConstraintState:
         """Set the logits (a [vocab] row) of the tokens not allowed after ``history`` to -inf."""
         allowed = self.allowed(history)
         if allowed is not None:
-            logits[: allowed.shape[0]].masked_fill_(~allowed, float("-inf"))
+            # The mask is built on the CPU; a GPU row needs it on its own device. The copy's
+            # source is a fresh tensor nothing writes to again, so it need not block.
+            refused = (~allowed).to(logits.device, non_blocking=True)
+            logits[: allowed.shape[0]].masked_fill_(refused, float("-inf"))
 
     def allowed(self, history: Sequence[int]) -> torch.Tensor | None:
         """Bool [vocab] of the tokens the constraint allows after ``history``; None when the
