@@ -1,10 +1,11 @@
 """A server with several decoders loaded: per-request choice over SSE and WebSocket, spec
-metrics labelled by decoder."""
+metrics labelled by decoder, constrained requests streamed with drafts."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -84,6 +85,51 @@ def test_per_request_choice_streams_over_sse(server, method):
             if line.startswith("data: {"):
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == plain["choices"][0]["text"]
+    assert spec_metric(server, "spec_decode_num_drafts_total", method) > runs
+
+
+def stream_completion(server, body: dict) -> str:
+    text = ""
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    return text
+
+
+FLAG_SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_constrained_requests_stream_with_speculation(server, method):
+    """A JSON schema and banned words over SSE with drafts: the streamed text keeps to the
+    constraint and equals autoregressive decoding's, and the decoder did draft."""
+    (one,) = httpx.post(
+        server.url + "/tokenize", json={"model": MODEL, "prompt": " one"}, timeout=10
+    ).json()["tokens"]
+    tempted = {"prompt": PROMPT, "logit_bias": {str(one): 9.0}, "max_tokens": 24}
+    free = complete(server, **tempted, speculative={"method": "autoregressive"}).json()
+    assert " one" in free["choices"][0]["text"]  # the bias does tempt
+    runs = spec_metric(server, "spec_decode_num_drafts_total", method)
+    for extra in ({"guided_json": FLAG_SCHEMA}, {**tempted, "banned_words": ["one"]}):
+        body = request_body(**{"ignore_eos": False, "max_tokens": 48, **extra})
+        plain = complete(server, **{**body, "speculative": {"method": "autoregressive"}}).json()
+        streamed = stream_completion(
+            server, {**body, "stream": True, "speculative": {"method": method}}
+        )
+        assert streamed == plain["choices"][0]["text"]
+        if "guided_json" in extra:
+            assert plain["choices"][0]["finish_reason"] == "stop"
+            document = json.loads(streamed)
+            assert set(document) == {"ok", "n"} and document["n"] in (1, 2, 3)
+        else:
+            assert not re.search(r"(?<!\w)one(?!\w)", streamed, flags=re.IGNORECASE)
     assert spec_metric(server, "spec_decode_num_drafts_total", method) > runs
 
 
