@@ -82,11 +82,25 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     """A malformed body: OpenAI answers 400 (not FastAPI's default 422), naming the field."""
     errors = exc.errors()
     first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        # FastAPI's loc is ("body", character offset): no parameter is at fault.
+        return APIError(400, _json_message(first))  # param and code null, as OpenAI
     param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
     # Our own validators' messages come as "Value error, <message>": the message is enough.
     detail = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    message = f"{param}: {detail}" if param else str(exc)
+    if tuple(first.get("loc", ())) == ("body",):  # absent, or JSON that is not an object
+        if first.get("type") == "missing":
+            return APIError(400, "the body is empty: a JSON object is expected")
+        return APIError(400, f"the body must be a JSON object: {detail}")
+    message = f"{param}: {detail}" if param else detail
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def _json_message(error: dict) -> str:
+    position = error["loc"][-1] if len(error.get("loc", ())) > 1 else None
+    reason = (error.get("ctx") or {}).get("error") or error.get("msg", "")
+    where = f" at character {position}" if isinstance(position, int) else ""
+    return f"the body is not valid JSON: {reason}{where}"
 
 
 def engine_error(exc: Exception) -> APIError:

@@ -51,8 +51,9 @@ REFUSED: dict[str, Refusal] = {
     "service_tier": Refusal("there is one tier (only 'auto' or 'default')", _is("auto", "default")),
     "suffix": Refusal("insertion (text after the completion) is not implemented", _empty),
     "prompt_cache_retention": Refusal(
-        "the prefix cache keeps blocks in memory while they fit (only 'in-memory')",
-        _is("in-memory"),
+        # The openai SDK spells it "in_memory", OpenAI's API reference "in-memory".
+        "the prefix cache keeps blocks in memory while they fit (only 'in_memory')",
+        _is("in_memory", "in-memory"),
     ),
     # vLLM extensions
     "use_beam_search": Refusal("beam search is not implemented", _is(False)),

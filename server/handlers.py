@@ -134,14 +134,11 @@ TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "raise_exceptio
 def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
     from jinja2 import TemplateError
 
-    options = _template_kwargs(tokenizer, body.chat_template_kwargs or {})
+    flags = body.template_flags()
+    options = _template_kwargs(tokenizer, body.chat_template_kwargs or {}, exclude=flags)
     try:
         text = tokenizer.apply_chat_template(
-            body.conversation(),
-            tokenize=False,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            **options,
+            body.conversation(), tokenize=False, **flags, **options
         )
     except TemplateError as e:
         # The model's template refused the conversation (its role rules, a role it does not
@@ -162,11 +159,13 @@ def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
 
 
-def _template_kwargs(tokenizer, kwargs: dict) -> dict:
+def _template_kwargs(tokenizer, kwargs: dict, exclude) -> dict:
     """chat_template_kwargs become template variables; none may stand in for one of
-    apply_chat_template's own parameters (tokenize, the conversation, the template...)."""
+    apply_chat_template's own parameters (tokenize, the conversation, the template...) but
+    those in ``exclude``, which the template call takes from ``template_flags``."""
     import inspect
 
+    kwargs = {k: v for k, v in kwargs.items() if k not in exclude}
     own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | TEMPLATE_RESERVED
     clashing = sorted(set(kwargs) & own)
     if clashing:

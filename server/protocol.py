@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from engine.sampling import SamplingParams
 
@@ -31,11 +31,28 @@ def _drop_nulls(data: Any) -> Any:
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    # None: not given. OpenAI then sends no usage; vLLM defaults it to true, which is what
+    # makes a bare {"continuous_usage_stats": true} work there, so it does here too.
+    include_usage: bool | None = None
     # vLLM: usage (so far) in every chunk, not only in the last one.
     continuous_usage_stats: bool = False
     # OpenAI's padding of deltas against length side channels; we send none, so only false.
     include_obfuscation: Literal[False] = False
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _needs_usage(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("include_usage") is False:
+            # vLLM would quietly send no usage at all; asking for both is a contradiction.
+            raise ValueError("continuous usage stats cannot be sent with include_usage false")
+        return value
+
+    @property
+    def usage(self) -> bool:
+        """Whether the stream ends with a usage chunk."""
+        if self.include_usage is None:
+            return self.continuous_usage_stats
+        return self.include_usage
 
 
 class SpeculativeRequest(BaseModel):
@@ -111,7 +128,7 @@ class _SamplingFields(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+        return bool(self.stream and self.stream_options and self.stream_options.usage)
 
     @property
     def continuous_usage(self) -> bool:
@@ -239,13 +256,28 @@ class ChatCompletionRequest(_SamplingFields):
     def conversation(self) -> list[dict[str, str]]:
         return [m.for_template() for m in self.messages]
 
+    def template_flags(self) -> dict[str, bool]:
+        """add_generation_prompt and continue_final_message for the template call. As in
+        vLLM, the same names in chat_template_kwargs win over the fields."""
+        flags = {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
+        for name in flags:
+            value = (self.chat_template_kwargs or {}).get(name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"chat_template_kwargs must give {name} as true or false")
+            flags[name] = flags[name] if value is None else value
+        return flags
+
     def check_template_options(self) -> None:
-        if self.continue_final_message and self.add_generation_prompt:
+        flags = self.template_flags()
+        if flags["continue_final_message"] and flags["add_generation_prompt"]:
             raise ValueError(
                 "continue_final_message needs add_generation_prompt false (the last message "
                 "is continued, not answered)"
             )
-        if self.continue_final_message and self.messages[-1].role != "assistant":
+        if flags["continue_final_message"] and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs an assistant message last")
 
     def echo_text(self) -> str:

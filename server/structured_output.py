@@ -3,14 +3,17 @@
 OpenAI's ``response_format`` (``text``, ``json_object``, ``json_schema``) and vLLM's
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and their newer
 ``structured_outputs`` object. At most one constraint per request; a schema that uses a
-feature the grammar engine does not implement, an invalid regex or grammar, is a 400 naming
-the field, never a silent ignore.
+feature the grammar engine does not implement, an invalid regex or grammar, a key that
+``response_format`` does not define, is a 400 naming the field (``response_format.schema``),
+never a silent ignore.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.constraints import ConstraintSpec
 from server.errors import APIError
@@ -42,34 +45,99 @@ def constraint_of(body) -> ConstraintSpec | None:
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise _bad(found[1][0], f"give at most one output constraint, got {names}")
-    if not found:
-        return None
-    name, spec = found[0]
+    name, spec = found[0] if found else ("", None)
     if body.guided_whitespace_pattern is not None:
-        if spec.kind not in ("json_schema", "json_object"):
+        if spec is None or spec.kind not in ("json_schema", "json_object"):
+            # Without JSON output it would shape nothing: refused, not ignored.
             raise _bad(
-                "guided_whitespace_pattern", "guided_whitespace_pattern applies to JSON only"
+                "guided_whitespace_pattern",
+                "guided_whitespace_pattern applies to JSON output only (guided_json, a "
+                "json_object or json_schema response_format, structured_outputs json or "
+                "json_object), and this request asks for none",
             )
         spec = ConstraintSpec(spec.kind, spec.source, body.guided_whitespace_pattern)
+    if spec is None:
+        return None
     error = spec.error()
     if error:
         raise _bad(name, f"{name}: the constraint cannot be used: {error}")
     return spec
 
 
-def _response_format(value: Any) -> ConstraintSpec | None:
-    kind = value.get("type") if isinstance(value, dict) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
+class _Strict(BaseModel):
+    # A key we do not know would be a request we do not honour: refused, never ignored.
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_absent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class _JsonObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class _JsonSchema(_Strict):
+    name: str  # required, as OpenAI requires it
+    description: str | None = None
+    # Optional in OpenAI's API, where none means any JSON: ask for json_object for that.
+    schema_: dict[str, Any] | str = Field(alias="schema")
+    strict: bool | None = None  # either way, the schema is enforced
+
+
+class _JsonSchemaFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: _JsonSchema
+
+
+_FORMATS: dict[str, type[_Strict]] = {
+    "text": _TextFormat,
+    "json_object": _JsonObjectFormat,
+    "json_schema": _JsonSchemaFormat,
+}
+
+
+def _response_format(value: dict[str, Any]) -> ConstraintSpec | None:
+    kind = value.get("type")
+    model = _FORMATS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        message = f"response_format.type must be text, json_object or json_schema, got {kind!r}"
+        raise _bad("response_format.type", message)
+    try:
+        parsed = model.model_validate(value)
+    except ValidationError as e:
+        raise _format_error(kind, e) from None
+    if isinstance(parsed, _JsonObjectFormat):
         return ConstraintSpec("json_object")
-    if kind == "json_schema":
-        wrapper = value.get("json_schema")
-        if not isinstance(wrapper, dict) or "schema" not in wrapper:
-            # OpenAI requires the schema; an empty one would mean "any JSON".
-            raise _bad("response_format", "response_format.json_schema.schema is required")
-        return ConstraintSpec("json_schema", _json_value(wrapper["schema"], "response_format"))
-    raise _bad("response_format", "response_format.type must be text, json_object or json_schema")
+    if isinstance(parsed, _JsonSchemaFormat):
+        schema = _json_value(parsed.json_schema.schema_, "response_format.json_schema.schema")
+        return ConstraintSpec("json_schema", schema)
+    return None
+
+
+def _format_error(kind: str, error: ValidationError) -> APIError:
+    """The first problem in a response_format, named by its full path."""
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    param = ".".join(["response_format", *loc])
+    if first["type"] == "missing":
+        return _bad(param, f"{param} is required for a {kind!r} response_format")
+    if first["type"] == "extra_forbidden":
+        nested = len(loc) > 1  # inside json_schema
+        model = _JsonSchema if nested else _FORMATS[kind]
+        known = ", ".join(f.alias or name for name, f in model.model_fields.items())
+        where = "response_format.json_schema" if nested else f"a {kind!r} response_format"
+        return _bad(param, f"{param} is not a field of {where} (its fields: {known})")
+    if first["type"] in ("model_type", "dict_type"):
+        return _bad(param, f"{param} must be an object")
+    return _bad(param, f"{param}: {first['msg']}")
 
 
 def _structured_outputs(value: Any) -> ConstraintSpec:

@@ -187,6 +187,29 @@ def test_websocket_needs_the_api_key(server):
     assert answer["request_id"] == "r" and answer.get("type") != "error"
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b'{"model": "tiny",, "prompt": "a"}', "the body is not valid JSON: Expecting property "
+         "name enclosed in double quotes at character 17"),
+        (b'{"model": "tiny", "prompt": "a"', "the body is not valid JSON: Expecting ',' "
+         "delimiter at character 31"),
+        (b"", "the body is empty: a JSON object is expected"),
+        (b'["model", "tiny"]', "the body must be a JSON object: Input should be a valid "
+         "dictionary or object to extract fields from"),
+    ],
+)  # fmt: skip
+def test_a_body_that_is_not_a_json_object_is_400_naming_no_parameter(server, body, message):
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=body,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=60,
+    )
+    err = assert_openai_error(r, 400)
+    assert err["message"] == message and err["param"] is None
+
+
 @pytest.mark.parametrize("field", ["temperature", "repetition_penalty", "top_p"])
 def test_json_infinity_and_nan_are_400(server, field):
     for value in (float("inf"), float("nan")):

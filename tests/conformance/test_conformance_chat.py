@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conformance.conftest import CHAT, MODEL, greedy
+from tests.conformance.conftest import BOS, CHAT, MODEL, greedy, tokenize
 
 LONG_CHAT = [{"role": "user", "content": "Tell me about the sea. " * 12}]
 
@@ -68,6 +68,40 @@ def test_continuous_usage_stats_put_usage_so_far_in_every_chunk(client):
     assert len(set(counts)) > 2  # it grows as tokens arrive, not only at the end
     # The prompt is counted from the first chunk on (the role chunk comes before any token).
     assert len({c.usage.prompt_tokens for c in chunks}) == 1 and chunks[0].usage.prompt_tokens > 0
+
+
+def _stream(client, **kw) -> list:
+    return list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            stream=True,
+            **greedy(max_tokens=3, extra_body={"ignore_eos": True}, **kw),
+        )
+    )
+
+
+def test_continuous_usage_stats_alone_turns_usage_on_as_in_vllm(client):
+    """vLLM's include_usage defaults to true inside stream_options: usage so far in every
+    chunk, then the final usage chunk, as with include_usage given."""
+    chunks = _stream(client, stream_options={"continuous_usage_stats": True})
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 3  # role chunk first
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
+
+
+def test_continuous_usage_stats_with_include_usage_false_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        _stream(client, stream_options={"include_usage": False, "continuous_usage_stats": True})
+    assert caught.value.body["param"] == "stream_options.continuous_usage_stats"
+
+
+@pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
+def test_a_stream_has_no_usage_unless_asked(client, options):
+    """OpenAI's rule: usage only with include_usage true (or continuous stats, above)."""
+    chunks = _stream(client, **({} if options is None else {"stream_options": options}))
+    assert [c.usage for c in chunks] == [None] * len(chunks) and chunks[-1].choices
 
 
 def test_stream_options_without_stream_is_a_400(client):
@@ -149,6 +183,7 @@ def test_identifiers_and_storage_fields_are_accepted(client):
         user="u-1",
         safety_identifier="hash-1",
         prompt_cache_key="k-1",
+        prompt_cache_retention="in_memory",  # the SDK's spelling (the API reference: in-memory)
         metadata={"team": "a"},
         store=False,
         service_tier="auto",
@@ -174,19 +209,13 @@ def test_message_roles_names_and_text_parts(client):
     assert r.choices[0].message.content is not None
 
 
-def _tokenize(server, **body):
-    r = httpx.post(server.url + "/tokenize", json={"model": MODEL, **body}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["tokens"]
-
-
 def test_template_options_shape_the_prompt(server, client):
     turn = [*CHAT, {"role": "assistant", "content": "Once upon"}]
-    answer = _tokenize(server, messages=turn)
-    continued = _tokenize(
+    answer = tokenize(server, messages=turn)
+    continued = tokenize(
         server, messages=turn, add_generation_prompt=False, continue_final_message=True
     )
-    closed = _tokenize(server, messages=turn, add_generation_prompt=False)
+    closed = tokenize(server, messages=turn, add_generation_prompt=False)
     # Continuing stops right after the assistant's text; answering opens a new turn after it.
     assert len(continued) < len(closed) < len(answer)
     r = client.chat.completions.create(
@@ -239,6 +268,41 @@ def test_chat_template_kwargs_cannot_replace_the_templates_own_arguments(client,
     assert next(iter(kwargs)) in caught.value.body["message"]
 
 
+def test_chat_template_kwargs_reach_the_template(server, client):
+    """SmolLM2's template reads add_generation_prompt; as in vLLM, chat_template_kwargs of
+    that name (or continue_final_message) win over the request fields."""
+    turn = [*CHAT, {"role": "assistant", "content": "Once upon"}]
+    closed = tokenize(server, messages=turn, add_generation_prompt=False)
+    continued = tokenize(
+        server, messages=turn, add_generation_prompt=False, continue_final_message=True
+    )
+    assert len(continued) < len(closed) < len(tokenize(server, messages=turn))
+    for kwargs, expected in [
+        ({"add_generation_prompt": False}, closed),
+        ({"add_generation_prompt": False, "continue_final_message": True}, continued),
+    ]:
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=turn,
+            extra_body={"chat_template_kwargs": kwargs},
+            **greedy(max_tokens=1),
+        )
+        assert r.usage.prompt_tokens == len(expected), kwargs
+
+
+def test_chat_add_special_tokens_adds_the_tokenizers_bos(bos_server, bos_client):
+    """Off by default for chat (the template writes the special tokens); on, the tokenizer's
+    own are added too, here a BOS before the rendered conversation."""
+    rendered = tokenize(bos_server, messages=CHAT)
+    assert tokenize(bos_server, messages=CHAT, add_special_tokens=True) == [BOS, *rendered]
+    plain = bos_client.chat.completions.create(model=MODEL, messages=CHAT, **greedy(max_tokens=1))
+    with_bos = bos_client.chat.completions.create(
+        model=MODEL, messages=CHAT, extra_body={"add_special_tokens": True}, **greedy(max_tokens=1)
+    )
+    assert plain.usage.prompt_tokens == len(rendered)
+    assert with_bos.usage.prompt_tokens == len(rendered) + 1
+
+
 def test_chat_template_kwargs_allowed_names_still_work(client):
     r = client.chat.completions.create(
         model=MODEL,
@@ -279,3 +343,56 @@ def test_vllm_sampling_extensions(client):
         },
     )
     assert r.usage.completion_tokens == 6 and r.choices[0].finish_reason == "length"
+
+
+# ---- each sampling field changes the output (a server that ignored it fails these) ---------
+def _chat(client, **kw):
+    return client.chat.completions.create(model=MODEL, messages=CHAT, **kw)
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [{"extra_body": {"top_k": 1}}, {"top_p": 1e-6}, {"extra_body": {"min_p": 1.0}}],
+    ids=["top_k", "top_p", "min_p"],
+)
+def test_keeping_only_the_top_token_samples_greedily(client, limit):
+    """top_k 1, a tiny top_p, min_p 1: only the most likely token is left, so sampling at
+    temperature 1 (seeded or not) gives the greedy text, which it otherwise leaves."""
+    greedy_text = _chat(client, **greedy()).choices[0].message.content
+    sampled = {"temperature": 1.0, "max_tokens": 8}
+    assert _chat(client, seed=11, **sampled).choices[0].message.content != greedy_text
+    assert _chat(client, seed=11, **sampled, **limit).choices[0].message.content == greedy_text
+    assert _chat(client, **sampled, **limit).choices[0].message.content == greedy_text
+
+
+def test_stop_token_ids_end_the_output_at_that_token(server, client):
+    free = _chat(client, logprobs=True, **greedy())
+    tokens = [e.token for e in free.choices[0].logprobs.content]
+    third = tokenize(server, prompt=tokens[2], add_special_tokens=False)
+    assert len(third) == 1 and tokens[2] not in tokens[:2], tokens  # one token, new here
+    cut = _chat(client, extra_body={"stop_token_ids": third}, **greedy())
+    assert cut.choices[0].message.content == "".join(tokens[:2])  # the stop token's text left out
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def _end_of_turn_bias(server) -> dict:
+    """A random model all but never ends a turn; this bias makes <|im_end|>, the model's EOS,
+    its first choice at every step, so greedy output ends with EOS at once."""
+    (eos,) = tokenize(server, prompt="<|im_end|>")
+    return {"logit_bias": {str(eos): 100}}
+
+
+def test_ignore_eos_runs_to_max_tokens(server, client):
+    ends = _end_of_turn_bias(server)
+    early = _chat(client, **greedy(max_tokens=6, **ends))
+    assert early.usage.completion_tokens == 1 and early.choices[0].finish_reason == "stop"
+    full = _chat(client, extra_body={"ignore_eos": True}, **greedy(max_tokens=6, **ends))
+    assert full.usage.completion_tokens == 6 and full.choices[0].finish_reason == "length"
+
+
+def test_min_tokens_keep_going_past_eos(server, client):
+    ends = _end_of_turn_bias(server)
+    r = _chat(client, extra_body={"min_tokens": 4}, **greedy(max_tokens=8, **ends))
+    # EOS is held back for 4 tokens, then (biased to the top) comes at once.
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
+    assert r.choices[0].message.content

@@ -6,7 +6,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conformance.conftest import MODEL, greedy
+from tests.conformance.conftest import BOS, MODEL, greedy, tokenize
 
 
 def test_response_object_fields(client):
@@ -67,6 +67,40 @@ def test_add_special_tokens_and_truncation(client):
     assert r.usage.prompt_tokens >= 1
 
 
+def test_add_special_tokens_adds_the_tokenizers_bos(bos_server, bos_client):
+    """On by default for a text prompt (vLLM); off, the prompt is the text's tokens alone."""
+    bare = tokenize(bos_server, prompt="Once upon", add_special_tokens=False)
+    assert tokenize(bos_server, prompt="Once upon") == [BOS, *bare]
+
+    def prompt_tokens(**extra) -> int:
+        r = bos_client.completions.create(
+            model=MODEL, prompt="Once upon", extra_body=extra, **greedy(max_tokens=1)
+        )
+        return r.usage.prompt_tokens
+
+    assert prompt_tokens() == len(bare) + 1
+    assert prompt_tokens(add_special_tokens=False) == len(bare)
+
+
+REPETITIVE = "a a a a a a a a"  # the tiny model's greedy text repeats its second token
+
+
+@pytest.mark.parametrize(
+    "penalty",
+    [{"presence_penalty": 2}, {"frequency_penalty": 2}, {"extra_body": {"repetition_penalty": 2}}],
+    ids=["presence", "frequency", "repetition"],
+)
+def test_penalties_break_a_repetition(client, penalty):
+    def tokens(**kw) -> list[str]:
+        r = client.completions.create(model=MODEL, prompt=REPETITIVE, logprobs=0, **kw)
+        return r.choices[0].logprobs.tokens
+
+    plain = tokens(**greedy(max_tokens=4))
+    assert plain[1] == plain[2] == plain[3], plain
+    penalized = tokens(**greedy(max_tokens=4), **penalty)
+    assert penalized[:2] == plain[:2] and penalized[2] != penalized[1], penalized
+
+
 def test_stream_options_rules(client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt="Hi", stream_options={"include_usage": True})
@@ -80,6 +114,24 @@ def test_stream_options_rules(client):
         )
     )
     assert all(c.usage is not None for c in chunks) and chunks[-1].usage.completion_tokens == 4
+    alone = list(  # as in vLLM, include_usage defaults to true inside stream_options
+        client.completions.create(
+            model=MODEL,
+            prompt="Hi",
+            stream=True,
+            stream_options={"continuous_usage_stats": True},
+            **greedy(max_tokens=2, extra_body={"ignore_eos": True}),
+        )
+    )
+    assert all(c.usage is not None for c in alone) and alone[-1].choices == []
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(
+            model=MODEL,
+            prompt="Hi",
+            stream=True,
+            stream_options={"include_usage": False, "continuous_usage_stats": True},
+        )
+    assert caught.value.body["param"] == "stream_options.continuous_usage_stats"
 
 
 def test_prompt_logprobs_agree_with_the_logprobs_of_generated_tokens(server, client):

@@ -28,7 +28,10 @@ SCHEMA = {
     "required": ["ok", "size", "colour", "tags"],
     "additionalProperties": False,
 }
-JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+JSON_SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "thing", "description": "A thing.", "schema": SCHEMA, "strict": True},
+}
 
 
 def _schema_format(schema: dict) -> dict:
@@ -127,8 +130,19 @@ def test_whitespace_pattern_is_honoured(client):
         ({"response_format": _schema_format({"type": "array", "uniqueItems": True})},
          "response_format", "uniqueItems"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format", "schema"),
-        ({"response_format": {"type": "xml"}}, "response_format", "type"),
+         "response_format.json_schema.schema", "required"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}},
+         "response_format.json_schema.name", "required"),
+        ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
+        # Keys response_format does not define: refused, not ignored (a schema here would be).
+        ({"response_format": {"type": "json_object", "schema": SCHEMA}},
+         "response_format.schema", "not a field"),
+        ({"response_format": {"type": "text", "foo": 1}}, "response_format.foo", "not a field"),
+        ({"response_format": {**JSON_SCHEMA_FORMAT, "schema": SCHEMA}},
+         "response_format.schema", "not a field"),
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": SCHEMA, "mode": "lax"}}},
+         "response_format.json_schema.mode", "not a field"),
         ({"guided_regex": "[a-"}, "guided_regex", "regex"),
         ({"guided_grammar": "start: ("}, "guided_grammar", "guided_grammar"),
         ({"guided_choice": []}, "guided_choice", "choices"),
@@ -137,6 +151,10 @@ def test_whitespace_pattern_is_honoured(client):
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}},
          "structured_outputs", "exactly one"),
         ({"guided_regex": "a", "guided_whitespace_pattern": " "},
+         "guided_whitespace_pattern", "JSON"),
+        # With no JSON output it would shape nothing.
+        ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern", "JSON"),
+        ({"guided_whitespace_pattern": "", "response_format": {"type": "text"}},
          "guided_whitespace_pattern", "JSON"),
     ],
 )  # fmt: skip
@@ -207,3 +225,12 @@ def test_banned_words_are_checked(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="x", extra_body={"banned_words": ["..."]})
     assert caught.value.body["param"] == "banned_words"
+
+
+def test_nulls_inside_response_format_count_as_absent(server):
+    wrapper = {**JSON_SCHEMA_FORMAT["json_schema"], "description": None, "strict": None}
+    text = {"type": "text", "json_schema": None}
+    for fmt in (text, {"type": "json_schema", "json_schema": wrapper}):
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "response_format": fmt}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
