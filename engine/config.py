@@ -223,6 +223,16 @@ class EngineConfig(_Strict):
             raise ValueError(f"device {device!r}: expected cpu, cuda or cuda:N")
         return device
 
+    @field_validator("banned_words")
+    @classmethod
+    def _phrases_with_words(cls, words: list[str]) -> list[str]:
+        # As a request's: a phrase without a letter or digit ("", "...") would match at
+        # every word boundary and rewind every request until it gives up.
+        empty = [w for w in words if not any(map(str.isalnum, w))]
+        if empty:
+            raise ValueError(f"banned_words {empty!r}: each needs at least one letter or digit")
+        return words
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
         try:

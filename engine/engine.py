@@ -398,7 +398,13 @@ class Engine:
             count += 1
             reason = self._finish_reason(seq, token.token_id)
             if seq.banned is not None:
-                rewind_to = seq.banned.check(seq.output_token_ids, final=reason is not None)
+                # A stop token's text is left out of the output (the detokenizer drops it), so
+                # the text it ends is checked without it: "cat" then a stop token "s" ends on
+                # the word "cat".
+                shown = seq.output_token_ids
+                if reason == "stop" and self._is_stop_token(seq, token.token_id):
+                    shown = shown[:-1]
+                rewind_to = seq.banned.check(shown, final=reason is not None)
                 if rewind_to is not None:
                     # Token by token, as plain decoding meets them: drafts accepted after the
                     # phrase go with it.
@@ -423,11 +429,15 @@ class Engine:
             self.scheduler.add(seq)
         request.held_back = []
 
+    def _is_stop_token(self, seq: Sequence, token_id: int) -> bool:
+        params = seq.sampling_params
+        return token_id in params.stop_token_ids or (
+            not params.ignore_eos and token_id in self.eos_token_ids
+        )
+
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if token_id in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token_id in self.eos_token_ids:
+        if self._is_stop_token(seq, token_id):
             return "stop"
         if params.max_tokens is not None and len(seq.output_token_ids) >= params.max_tokens:
             return "length"

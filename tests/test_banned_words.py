@@ -195,3 +195,33 @@ def test_sampling_params_with_a_sequence_matcher_pickle_without_it(tiny_chat_mod
     state = llm.engine.constraints.state(params.constraint)
     copy = pickle.loads(pickle.dumps(params.for_sequence(state)))
     assert copy.constraint_state is None and copy.constraint == params.constraint
+
+
+def test_a_stop_token_after_a_phrase_ends_the_word(tempting):
+    """A stop token's text is left out of the output, so "cat" followed by a stop token "s"
+    ends on the word "cat": it is rewound like any other occurrence."""
+    llm, _ = tempting
+    cat, s = (llm.tokenizer.encode(w, add_special_tokens=False) for w in ["cat", "s"])
+    assert len(cat) == 1 and len(s) == 1
+    bias = {cat[0]: 9.0, s[0]: 9.0}
+
+    def outputs(banned):
+        found = []
+        for seed in range(3):
+            params = SamplingParams(
+                temperature=1.0, n=100, seed=seed * 100, max_tokens=12, stop_token_ids=s,
+                logit_bias=bias, banned_words=banned,
+            )  # fmt: skip
+            found += llm.generate(["Once"], params)[0].outputs
+        return found
+
+    cut_short = [c for c in outputs([]) if c.token_ids[-2:] == [*cat, *s]]
+    assert any(_occurs(c.text, "cat") for c in cut_short)  # "cats", shown as the word "cat"
+    assert not any(_occurs(c.text, "cat") for c in outputs(["cat"]))
+
+
+def test_config_phrases_need_a_word_character():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="banned_words"):
+        EngineConfig.from_dict({"banned_words": ["cat", "..."]})

@@ -10,9 +10,11 @@ Whether text is an occurrence is often known only after the next token (is "cat"
 complete (a non-word character follows it, or the output ends), it rewinds the sequence to the
 token where the occurrence began and bans that token at that position; sampling then picks
 from the rest (FSM-with-rollback, as in our design notes). Guarantee: no returned or streamed
-text contains an occurrence. Distribution: the target's, with every banned (position, token)
-masked, which is what the rewinds leave; not the target conditioned on the whole text avoiding
-the phrases (that would need lookahead over all continuations).
+text contains an occurrence, except where the server's stop strings cut the text after the
+engine judged it ("cat" + a stop string "s..."; docs/decoders.md). Distribution: the
+target's, with every banned (position, token) masked, which is what the rewinds leave; not the
+target conditioned on the whole text avoiding the phrases (that would need lookahead over all
+continuations).
 """
 
 from __future__ import annotations
