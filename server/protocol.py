@@ -29,8 +29,19 @@ def _drop_nulls(data: Any) -> Any:
     return data
 
 
-class StreamOptions(BaseModel):
+class _NestedOptions(BaseModel):
+    """An object inside a request: unknown keys refused, explicit nulls taken as absent (as
+    for the request's own fields)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        return _drop_nulls(data)
+
+
+class StreamOptions(_NestedOptions):
     # None: not given. OpenAI then sends no usage; vLLM defaults it to true, which is what
     # makes a bare {"continuous_usage_stats": true} work there, so it does here too.
     include_usage: bool | None = None
@@ -55,10 +66,9 @@ class StreamOptions(BaseModel):
         return self.include_usage
 
 
-class SpeculativeRequest(BaseModel):
+class SpeculativeRequest(_NestedOptions):
     """Extension: pick one of the server's loaded decoders for this request."""
 
-    model_config = ConfigDict(extra="forbid")
     method: str
     num_speculative_tokens: int | None = None
 
@@ -170,8 +180,7 @@ class _SamplingFields(BaseModel):
         )
 
 
-class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextContentPart(_NestedOptions):
     type: Literal["text"]
     text: str
 

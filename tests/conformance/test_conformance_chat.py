@@ -396,3 +396,23 @@ def test_min_tokens_keep_going_past_eos(server, client):
     # EOS is held back for 4 tokens, then (biased to the top) comes at once.
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content
+
+
+def test_message_name_and_tool_call_id_reach_the_template(smollm2_path):
+    """SmolLM2's template reads neither; a template that reads them gets both."""
+    from transformers import AutoTokenizer
+
+    from server.handlers import render_chat
+    from server.protocol import ChatCompletionRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
+    tokenizer.chat_template = (
+        "{% for m in messages %}[{{ m.role }}|{{ m.name }}|{{ m.tool_call_id }}]"
+        "{{ m.content }}{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "tool", "content": "4", "tool_call_id": "c1"},
+    ]
+    body = ChatCompletionRequest(model=MODEL, messages=messages)
+    assert tokenizer.decode(render_chat(tokenizer, body)) == "[user|ann|]Hi[tool||c1]4"

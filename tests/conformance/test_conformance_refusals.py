@@ -51,6 +51,21 @@ REFUSED_FIELDS = [
     ("vllm_xargs", {}, None),
 ]
 COMPLETION_ONLY = [("suffix", "the end", ""), ("prompt_embeds", "AAAA", None)]
+# Fields OpenAI (its SDK) or vLLM define that we do not implement and that have no neutral
+# value worth a row of REFUSED: refused at any value as unknown fields are (the README's
+# "not implemented" rows).
+UNRECOGNIZED = [
+    "include_reasoning",
+    "thinking_token_budget",
+    "media_io_kwargs",
+    "watermarking",
+    "truncation_side",
+    "logprob_token_ids",
+    "session_id",
+    "return_prompt_text",
+    "moderation",
+    "prompt_cache_options",
+]
 
 
 def _post(server, path, body):
@@ -107,10 +122,40 @@ def test_unknown_fields_are_refused_as_openai_does_naming_every_one(server):
     assert error["param"] == "colour"
 
 
+@pytest.mark.parametrize("field", UNRECOGNIZED)
+def test_defined_fields_we_do_not_implement_are_refused_at_any_value(server, field):
+    for value in (True, False, 0, "x", {}):
+        r = _post(server, "/v1/chat/completions", _chat(**{field: value}))
+        assert r.status_code == 400, (field, value, r.text)
+        error = r.json()["error"]
+        assert error["message"] == f"Unrecognized request argument supplied: {field}"
+        assert error["param"] == field
+
+
 def test_explicit_nulls_count_as_absent(server):
-    nulls = {name: None for name, _, _ in REFUSED_FIELDS}
+    nulls = {name: None for name, _, _ in REFUSED_FIELDS + [(f, 0, 0) for f in UNRECOGNIZED]}
     r = _post(server, "/v1/chat/completions", _chat(**nulls, seed=None, stop=None, n=None))
     assert r.status_code == 200, r.text
+
+
+def test_nulls_inside_request_objects_count_as_absent(server):
+    options = {"include_usage": None, "continuous_usage_stats": None, "include_obfuscation": None}
+    speculative = {"method": "autoregressive", "num_speculative_tokens": None}
+    message = {"role": "user", "content": [{"type": "text", "text": "Hi"}], "name": None}
+    body = _chat(messages=[message], stream=True, stream_options=options, speculative=speculative)
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and '"usage"' not in "".join(lines[:-1])
+
+
+def test_obfuscation_padding_is_refused(server):
+    body = _chat(stream=True, stream_options={"include_obfuscation": True})
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "stream_options.include_obfuscation"
+    body = _chat(stream=True, stream_options={"include_obfuscation": False})
+    assert _post(server, "/v1/chat/completions", body).status_code == 200
 
 
 @pytest.mark.parametrize(
@@ -122,6 +167,10 @@ def test_explicit_nulls_count_as_absent(server):
         ({"role": "assistant", "content": "x", "function_call": {"name": "f"}}, "function_call"),
         ({"role": "assistant", "audio": {"id": "a"}}, "audio"),
         ({"role": "user", "content": "x", "colour": "blue"}, "colour"),
+        (
+            {"role": "assistant", "content": "x", "annotations": [{"type": "url_citation"}]},
+            "annotations",
+        ),
     ],
 )
 def test_message_fields_we_cannot_honour_are_refused(server, message, field):
@@ -151,3 +200,6 @@ def test_readme_compatibility_table_lists_every_refused_field():
     assert refused_rows == set(REFUSED), refused_rows ^ set(REFUSED)
     listed_here = {name for name, _, _ in REFUSED_FIELDS + COMPLETION_ONLY}
     assert listed_here == set(REFUSED), listed_here ^ set(REFUSED)
+    cells = re.findall(r"^\| (`[^|]+) \|[^|]*\| not implemented: 400", table, flags=re.M)
+    unrecognized_rows = {name for cell in cells for name in re.findall(r"`([a-z_]+)`", cell)}
+    assert unrecognized_rows == set(UNRECOGNIZED), unrecognized_rows ^ set(UNRECOGNIZED)
