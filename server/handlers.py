@@ -16,6 +16,7 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from engine.constraints import ConstraintSpec
 from engine.sampling import logit_bias_problems
 from engine.speculative_options import SpeculativeOptions
 from server.errors import APIError, invalid_parameter
@@ -62,6 +63,13 @@ class Prepared:
         return len(self.run.prompts) * self.run.params.n
 
 
+async def _constraint_of(state: ServerState, body) -> ConstraintSpec | None:
+    # Off the event loop: compiling a schema takes milliseconds, and the first constrained
+    # request builds the vocabulary's llguidance tokenizer (about half a second).
+    vocabulary = None if state.constraints is None else lambda: state.constraints.tokenizer
+    return await asyncio.to_thread(constraint_of, body, vocabulary)
+
+
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     state.check_model(body.model)
     check_extra_fields(body.model_extra)
@@ -79,7 +87,8 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
         if max_tokens is None:  # as vLLM: whatever room the context leaves
             max_tokens = state.client.info.max_model_len - len(prompt_ids)
         _check_logit_bias(body.logit_bias, state.client.info.vocab_size)
-        params = body.sampling_params(max_tokens, logprobs, constraint_of(body))
+        constraint = await _constraint_of(state, body)
+        params = body.sampling_params(max_tokens, logprobs, constraint)
         params.validate_for_vocab(state.client.info.vocab_size)
     except ValueError as e:
         raise invalid_parameter(e) from None
@@ -106,7 +115,8 @@ async def prepare_completion(state: ServerState, body: CompletionRequest) -> Pre
         for ids in prompts:
             state.check_context(len(ids), max_tokens, "prompt")
         _check_logit_bias(body.logit_bias, vocab)
-        params = body.sampling_params(max_tokens, body.logprobs, constraint_of(body))
+        constraint = await _constraint_of(state, body)
+        params = body.sampling_params(max_tokens, body.logprobs, constraint)
         params.validate_for_vocab(vocab)
     except ValueError as e:
         raise invalid_parameter(e) from None

@@ -11,6 +11,7 @@ never a silent ignore.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,7 +23,7 @@ _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                     "grammar": "grammar", "json_object": "json_object"}  # fmt: skip
 
 
-def constraint_of(body) -> ConstraintSpec | None:
+def constraint_of(body, vocabulary: Callable[[], Any] | None = None) -> ConstraintSpec | None:
     """The request's output constraint (None: free text); raises a 400 naming the field."""
     found: list[tuple[str, ConstraintSpec]] = []
     if body.response_format is not None:
@@ -58,7 +59,9 @@ def constraint_of(body) -> ConstraintSpec | None:
         spec = ConstraintSpec(spec.kind, spec.source, body.guided_whitespace_pattern)
     if spec is None:
         return None
-    error = spec.error()
+    # With the model's vocabulary (an llguidance tokenizer, from ``vocabulary``) the check also
+    # catches what only the vocabulary decides, such as a special token it lacks.
+    error = spec.error(None if vocabulary is None else vocabulary())
     if error:
         raise _bad(name, f"{name}: the constraint cannot be used: {error}")
     return spec
