@@ -85,15 +85,38 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         # FastAPI's loc is ("body", character offset): no parameter is at fault.
         return APIError(400, _json_message(first))  # param and code null, as OpenAI
-    param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    param = field_path(first.get("loc", ()))
     # Our own validators' messages come as "Value error, <message>": the message is enough.
-    detail = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    # A field of several types fails once per type: say what each would have needed.
+    details = [
+        str(e.get("msg", "invalid request")).removeprefix("Value error, ")
+        for e in errors
+        if field_path(e.get("loc", ())) == param
+    ] or ["invalid request"]
+    detail = " or ".join(dict.fromkeys(details))
     if tuple(first.get("loc", ())) == ("body",):  # absent, or JSON that is not an object
         if first.get("type") == "missing":
             return APIError(400, "the body is empty: a JSON object is expected")
         return APIError(400, f"the body must be a JSON object: {detail}")
     message = f"{param}: {detail}" if param else detail
     return APIError(400, message, param=param, code="invalid_value")
+
+
+def field_path(loc) -> str | None:
+    """A validation error's location as the request's field path ("messages.0.content"):
+    pydantic also names the member of a union it tried ("str", "list[str]"), which is not a
+    field."""
+    parts = [str(p) for p in loc if p != "body" and not _is_type_tag(p)]
+    return ".".join(parts) or None
+
+
+def _is_type_tag(part) -> bool:
+    if not isinstance(part, str):
+        return False
+    return "[" in part or part.startswith("function-") or part in _TYPE_NAMES
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def _json_message(error: dict) -> str:

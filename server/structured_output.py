@@ -17,7 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from engine.constraints import ConstraintSpec
-from server.errors import APIError
+from server.errors import APIError, field_path
 
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                     "grammar": "grammar", "json_object": "json_object"}  # fmt: skip
@@ -128,7 +128,7 @@ def _response_format(value: dict[str, Any]) -> ConstraintSpec | None:
 def _format_error(kind: str, error: ValidationError) -> APIError:
     """The first problem in a response_format, named by its full path."""
     first = error.errors()[0]
-    loc = [str(part) for part in first["loc"]]
+    loc = [part for part in (field_path(first["loc"]) or "").split(".") if part]
     param = ".".join(["response_format", *loc])
     if first["type"] == "missing":
         return _bad(param, f"{param} is required for a {kind!r} response_format")

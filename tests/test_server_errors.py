@@ -79,6 +79,21 @@ def test_invalid_parameters_are_400_even_when_streaming(server, extra, param, st
     assert_openai_error(r, 400, param=param)
 
 
+@pytest.mark.parametrize(
+    "extra,param,needs",
+    [
+        ({"stop": 5}, "stop", ["valid string", "valid list"]),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", ["valid string"]),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 5}}},
+         "response_format.json_schema.schema", ["object"]),
+    ],
+)  # fmt: skip
+def test_a_field_of_several_types_is_named_without_the_type_tried(server, extra, param, needs):
+    body = {"model": MODEL, "messages": CHAT, **extra}
+    err = assert_openai_error(post(server, "/v1/chat/completions", body), 400, param=param)
+    assert all(words in err["message"] for words in needs), err["message"]
+
+
 def test_missing_messages_is_400(server):
     assert_openai_error(post(server, "/v1/chat/completions", {"model": MODEL}), 400, "messages")
 
