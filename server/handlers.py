@@ -33,7 +33,7 @@ from server.responses import (
     provenance_json,
 )
 from server.state import ServerState
-from server.structured_output import constraint_of
+from server.structured_output import check_usable, requested_constraint
 
 
 @dataclass
@@ -64,10 +64,14 @@ class Prepared:
 
 
 async def _constraint_of(state: ServerState, body) -> ConstraintSpec | None:
+    found = requested_constraint(body)
+    if found is None:
+        return None
     # Off the event loop: compiling a schema takes milliseconds, and the first constrained
     # request builds the vocabulary's llguidance tokenizer (about half a second).
     vocabulary = None if state.constraints is None else lambda: state.constraints.tokenizer
-    return await asyncio.to_thread(constraint_of, body, vocabulary)
+    await asyncio.to_thread(check_usable, *found, vocabulary)
+    return found[1]
 
 
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:

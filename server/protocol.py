@@ -29,7 +29,7 @@ def _drop_nulls(data: Any) -> Any:
     return data
 
 
-class _NestedOptions(BaseModel):
+class NestedObject(BaseModel):
     """An object inside a request: unknown keys refused, explicit nulls taken as absent (as
     for the request's own fields)."""
 
@@ -41,7 +41,7 @@ class _NestedOptions(BaseModel):
         return _drop_nulls(data)
 
 
-class StreamOptions(_NestedOptions):
+class StreamOptions(NestedObject):
     # None: not given. OpenAI then sends no usage; vLLM defaults it to true, which is what
     # makes a bare {"continuous_usage_stats": true} work there, so it does here too.
     include_usage: bool | None = None
@@ -66,7 +66,7 @@ class StreamOptions(_NestedOptions):
         return self.include_usage
 
 
-class SpeculativeRequest(_NestedOptions):
+class SpeculativeRequest(NestedObject):
     """Extension: pick one of the server's loaded decoders for this request."""
 
     method: str
@@ -180,7 +180,7 @@ class _SamplingFields(BaseModel):
         )
 
 
-class TextContentPart(_NestedOptions):
+class TextContentPart(NestedObject):
     type: Literal["text"]
     text: str
 

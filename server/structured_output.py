@@ -14,17 +14,19 @@ import json
 from collections.abc import Callable
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError
 
 from engine.constraints import ConstraintSpec
 from server.errors import APIError, field_path
+from server.protocol import NestedObject
 
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
                     "grammar": "grammar", "json_object": "json_object"}  # fmt: skip
 
 
-def constraint_of(body, vocabulary: Callable[[], Any] | None = None) -> ConstraintSpec | None:
-    """The request's output constraint (None: free text); raises a 400 naming the field."""
+def requested_constraint(body) -> tuple[str, ConstraintSpec] | None:
+    """The request's output constraint and the field that asked for it (None: free text),
+    not yet compiled (``check_usable``); raises a 400 naming the field."""
     found: list[tuple[str, ConstraintSpec]] = []
     if body.response_format is not None:
         spec = _response_format(body.response_format)
@@ -57,37 +59,27 @@ def constraint_of(body, vocabulary: Callable[[], Any] | None = None) -> Constrai
                 "json_object), and this request asks for none",
             )
         spec = ConstraintSpec(spec.kind, spec.source, body.guided_whitespace_pattern)
-    if spec is None:
-        return None
-    # With the model's vocabulary (an llguidance tokenizer, from ``vocabulary``) the check also
-    # catches what only the vocabulary decides, such as a special token it lacks.
+    return None if spec is None else (name, spec)
+
+
+def check_usable(name: str, spec: ConstraintSpec, vocabulary: Callable[[], Any] | None) -> None:
+    """Compile the constraint; a 400 naming ``name`` if it cannot be used. With the model's
+    vocabulary (an llguidance tokenizer, from ``vocabulary``) the check also catches what only
+    the vocabulary decides, such as a special token it lacks."""
     error = spec.error(None if vocabulary is None else vocabulary())
     if error:
         raise _bad(name, f"{name}: the constraint cannot be used: {error}")
-    return spec
 
 
-class _Strict(BaseModel):
-    # A key we do not know would be a request we do not honour: refused, never ignored.
-    model_config = ConfigDict(extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_absent(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class _TextFormat(_Strict):
+class _TextFormat(NestedObject):
     type: Literal["text"]
 
 
-class _JsonObjectFormat(_Strict):
+class _JsonObjectFormat(NestedObject):
     type: Literal["json_object"]
 
 
-class _JsonSchema(_Strict):
+class _JsonSchema(NestedObject):
     name: str  # required, as OpenAI requires it
     description: str | None = None
     # Optional in OpenAI's API, where none means any JSON: ask for json_object for that.
@@ -95,12 +87,12 @@ class _JsonSchema(_Strict):
     strict: bool | None = None  # either way, the schema is enforced
 
 
-class _JsonSchemaFormat(_Strict):
+class _JsonSchemaFormat(NestedObject):
     type: Literal["json_schema"]
     json_schema: _JsonSchema
 
 
-_FORMATS: dict[str, type[_Strict]] = {
+_FORMATS: dict[str, type[NestedObject]] = {
     "text": _TextFormat,
     "json_object": _JsonObjectFormat,
     "json_schema": _JsonSchemaFormat,
