@@ -326,30 +326,26 @@ class Engine:
         accepted_drafts: dict[Sequence, int] = {}
         spec = self.speculator
         if spec is None or spec.plain_step(scheduled, proposals):
-            # No drafts to verify and nothing to observe: the plain autoregressive step.
+            # No drafts to verify: the plain autoregressive step (it hands the step's hidden
+            # states to the decoders that read them, which must see every step's).
             items = [_forward_item(s, c) for s, c in zip(scheduled, completing, strict=True)]
             wanted = _ask_prompt_logits(scheduled, items)
             started = time.perf_counter()
-            logits = self.runner.run(items)
+            logits, hidden = self._forward(items, scheduled)
             self._record_prompt_logprobs(wanted)
             rows = [s.seq for s, c in zip(scheduled, completing, strict=True) if c]
             sampled = self.sampler(logits, rows, [seq.generator for seq in rows])
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
             sources = {seq: [PLAIN] for seq in rows if seq.sampling_params.return_provenance}
+            if hidden is not None:
+                spec.hand_out_features(hidden, scheduled, {}, {})
             if spec is not None:  # the step as the policy weighs it: forward and sampling
                 spec.observe_forward(items, time.perf_counter() - started, drafted=False)
         else:
             items = spec.forward_items(scheduled, completing, proposals)
             wanted = _ask_prompt_logits(scheduled, items)
-            hidden = None
             started = time.perf_counter()
-            if spec.needs_target_hidden(scheduled):
-                out = self.runner.forward(
-                    items, hidden_layer=self.model.arch.num_layers - 1, all_hidden=True
-                )
-                logits, hidden = out.logits, out.hidden_states
-            else:
-                logits = self.runner.run(items)
+            logits, hidden = self._forward(items, scheduled)
             self._record_prompt_logprobs(wanted)
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
@@ -364,6 +360,16 @@ class Engine:
             self.block_manager.mark_computed(s.seq, kept)
             self.block_manager.commit_full_blocks(s.seq)
         return {seq: self._append(seq, tokens, sources.get(seq)) for seq, tokens in emitted}
+
+    def _forward(self, items, scheduled) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's logits, and the last layer's hidden states of every token row when a
+        sequence of the step drafts with a decoder that reads them (else None)."""
+        spec = self.speculator
+        if spec is None or not spec.needs_target_hidden(scheduled):
+            return self.runner.run(items), None
+        last = self.model.arch.num_layers - 1
+        out = self.runner.forward(items, hidden_layer=last, all_hidden=True)
+        return out.logits, out.hidden_states
 
     def _record_prompt_logprobs(self, wanted: list[tuple[Sequence, range]]) -> None:
         """The prompt logprobs of this step's prompt chunks, from the runner's extra rows."""

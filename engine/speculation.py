@@ -108,9 +108,9 @@ class Speculator:
         )
 
     def plain_step(self, scheduled: list[ScheduledSequence], proposals: dict) -> bool:
-        """Whether this step can run as plain autoregressive decoding: no drafts to verify,
-        no hidden states to hand out, no target confidence to observe."""
-        return not proposals and not self.gate.enabled and not self.needs_target_hidden(scheduled)
+        """Whether this step can run as plain autoregressive decoding: no drafts to verify and
+        no target confidence to observe (hidden states are handed out on either path)."""
+        return not proposals and not self.gate.enabled
 
     def decoder_of(self, seq: Sequence) -> Decoder | None:
         method = seq.speculative.method if seq.speculative is not None else self.default_method
@@ -274,10 +274,10 @@ class Speculator:
             rows = _last_token_rows(runs, verified)
             self._observe_target_confidence(logits, runs, verified, rows)
         if hidden is not None:
-            self._hand_out_features(hidden, scheduled, proposals, paths)
+            self.hand_out_features(hidden, scheduled, proposals, paths)
         return results, accepted
 
-    def _hand_out_features(self, hidden, scheduled, proposals, paths) -> None:
+    def hand_out_features(self, hidden, scheduled, proposals, paths) -> None:
         """Give each feature-reading decoder the target's hidden states of the tokens that
         stand: the step's tokens, then the accepted drafts (a tree's along its path). ``hidden``
         has a row per token of the step's forward items, in order."""

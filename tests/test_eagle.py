@@ -122,3 +122,33 @@ def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(tiny_model_
     expected = llm.generate(PROMPTS[:2], GREEDY)
     got = eagle_llm(tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_steps_without_drafts_run_plain_and_still_hand_out_features(tiny_model_dir, drafter_dir):
+    # A feature-reading decoder must see every step's features, but a step that drafts
+    # nothing (the policy's usual choice under load) has nothing to verify: it samples as
+    # plain decoding does, without the rejection sampler.
+    llm = eagle_llm(tiny_model_dir, drafter_dir)
+    engine = llm.engine
+    spec = engine.speculator
+    drafter = spec.decoders["eagle"].drafter
+    plan, verify = spec.plan, spec.rejection_sampler
+    steps, verified = [0], []
+    spec.plan = lambda running: plan(running) if steps[0] % 3 == 0 else {}
+    spec.rejection_sampler = lambda logits, runs: verified.append(steps[0]) or verify(logits, runs)
+    engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=20))
+    for steps[0] in range(1, 10):
+        engine.step()
+    assert verified and all(step % 3 == 0 for step in verified)
+    (seq,) = engine.scheduler.running
+    log = drafter._logs[seq]
+    assert log.start + len(log.features) == seq.num_tokens - 1  # no step's features missed
+    from engine.training.self_distillation import sequence_features
+
+    (reference,) = sequence_features(engine.model, [seq.token_ids[:-1]])
+    torch.testing.assert_close(log.features, reference[log.start :], atol=1e-4, rtol=1e-4)
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = LLM(model=str(tiny_model_dir)).generate([PROMPTS[0]], params)[0].token_ids
+    assert seq.output_token_ids == expected
