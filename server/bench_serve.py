@@ -298,10 +298,16 @@ def run_concurrency_sweep(
     requests_per_stream: int,
     max_tokens: int,
     log_dir: str = "/tmp",
+    rounds: int = 2,
 ) -> None:
     """One specserve server (its config loads ``method``): at each concurrency, the same load
-    with every request on plain autoregressive decoding and then on ``method`` (chosen per
-    request), one table row per concurrency."""
+    with every request on plain autoregressive decoding and on ``method`` (chosen per
+    request), one table row per concurrency.
+
+    The load runs ``rounds`` times per method, the two alternating A B, B A, A B, ... so that a
+    machine slowing down or speeding up during the row (these shared VMs drift by 10-20%
+    within a minute) weighs on both alike; a row's tok/s is its tokens over its seconds summed
+    over the rounds, and its ITL percentiles are over every round's gaps."""
     from engine.llm import load_tokenizer
     from engine.models.pull import resolve_model
 
@@ -314,7 +320,8 @@ def run_concurrency_sweep(
     cmd += ["--config", config] if config else ["--decoder", method]
     print(
         f"model {model_dir}; config {config or '--decoder ' + method}; streaming chat, "
-        f"{requests_per_stream} requests per stream, max_tokens {max_tokens}, greedy\n"
+        f"{requests_per_stream} requests per stream, max_tokens {max_tokens}, greedy, "
+        f"{rounds} alternating rounds per method\n"
     )
     print(
         f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
@@ -324,18 +331,23 @@ def run_concurrency_sweep(
     proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
     try:
         for c in concurrencies:
-            rows = {}
-            for name in ("autoregressive", method):
-                lengths_before = draft_lengths_chosen(url, method)
-                load = asyncio.run(
-                    run_load(
-                        name, url, "bench", c, c * requests_per_stream, max_tokens,
-                        {"speculative": {"method": name}},
-                    )
-                )  # fmt: skip
-                tokens = load.output_tokens(tokenizer)
-                itl = percentiles([g for r in load.results for g in r.gaps])
-                rows[name] = (tokens / load.wall, itl)
+            tokens = {"autoregressive": 0, method: 0}
+            seconds = {"autoregressive": 0.0, method: 0.0}
+            gaps: dict[str, list[float]] = {"autoregressive": [], method: []}
+            lengths_before = draft_lengths_chosen(url, method)
+            for r in range(rounds):
+                order = ("autoregressive", method) if r % 2 == 0 else (method, "autoregressive")
+                for name in order:
+                    load = asyncio.run(
+                        run_load(
+                            name, url, "bench", c, c * requests_per_stream, max_tokens,
+                            {"speculative": {"method": name}},
+                        )
+                    )  # fmt: skip
+                    tokens[name] += load.output_tokens(tokenizer)
+                    seconds[name] += load.wall
+                    gaps[name] += [g for res in load.results for g in res.gaps]
+            rows = {n: (tokens[n] / seconds[n], percentiles(gaps[n])) for n in tokens}
             after = draft_lengths_chosen(url, method)
             chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
             (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]

@@ -42,7 +42,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             raise ValueError("--concurrencies: comma-separated counts of at least 1")
         run_concurrency_sweep(
             args.model, args.config, args.compare, concurrencies, args.requests_per_stream,
-            args.max_tokens,
+            args.max_tokens, rounds=args.rounds,
         )  # fmt: skip
         return 0
     spec = LoadSpec(args.concurrency, args.requests or args.concurrency, args.max_tokens)
@@ -197,5 +197,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--concurrencies", default="1,4,8,16,32", help="with --compare")
     serve.add_argument(
         "--requests-per-stream", type=int, default=2, help="with --compare: requests = this x c"
+    )
+    serve.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="with --compare: runs of the load per method, alternating which goes first (a "
+        "drifting machine weighs on both alike)",
     )
     serve.set_defaults(func=_cmd_bench_serve)

@@ -102,13 +102,14 @@ def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir
         [
             *SPECSERVE, "bench", "serve", "--model", str(tiny_chat_model_dir),
             "--compare", "ngram", "--concurrencies", "1,2", "--requests-per-stream", "1",
-            "--max-tokens", "4",
+            "--max-tokens", "4", "--rounds", "3",
         ],
         capture_output=True,
         text=True,
         timeout=300,
         check=True,
     )  # fmt: skip
+    assert "3 alternating rounds per method" in result.stdout
     rows = [line for line in result.stdout.splitlines() if line[:4] in ("| 1 ", "| 2 ")]
     assert len(rows) == 2
     for row in rows:
