@@ -75,14 +75,24 @@ class TrainedDrafterConfig(_Strict):
     drafter: str | None = None
 
 
-class EagleConfig(TrainedDrafterConfig):
-    """The ``eagle`` decoder's drafter, and the precision its own projections run at: int8
+class AdapterDrafterConfig(TrainedDrafterConfig):
+    """A trained drafter with projections of its own, and the precision they run at: int8
     weights (per channel; a quarter of float32's bytes per draft) or as trained (none)."""
 
     quantization: Literal["none", "int8"] = "int8"
 
 
-class KangarooConfig(EagleConfig):
+class EagleConfig(AdapterDrafterConfig):
+    """The ``eagle`` decoder's drafter; with ``tree_top_k`` > 0 it drafts EAGLE-2's dynamic
+    trees (each depth expands the ``tree_top_k`` most likely nodes with ``tree_top_k``
+    children each, at most ``tree_depth`` deep; the step's k is the tree's node count), else
+    chains."""
+
+    tree_top_k: int = Field(0, ge=0, le=16)
+    tree_depth: int = Field(4, ge=1, le=16)
+
+
+class KangarooConfig(AdapterDrafterConfig):
     """The ``kangaroo`` decoder's adapter (its exit layer is part of the trained drafter), the
     precision of the adapter's projections, and the second early exit: drafting stops once
     the drafter's top-1 probability falls below ``exit_threshold`` (Kangaroo's eta)."""

@@ -59,7 +59,8 @@ PARAMS = {
 # range of entropies) that may stop a chain at one draft. tau2 above every entropy keeps
 # level 2 drafting to k. "medusa", "hydra": random heads whose two drafts are siblings (a tree).
 # "eagle": a random EAGLE layer, "kangaroo": a random adapter after the first layer, whose
-# drafts are drawn from their q.
+# drafts are drawn from their q; in "separate", the EAGLE layer drafts EAGLE-2 trees of two
+# deterministic nodes (siblings or a chain, as its values rank them).
 DECODERS = {
     "self": {
         "method": "ngram",
@@ -72,10 +73,11 @@ DECODERS = {
     },
     "separate": {
         "method": "draft",
-        "extra_methods": ["hierarchical"],
+        "extra_methods": ["hierarchical", "eagle"],
         "draft": {"model": "separate", "quantization": "none"},
         "hierarchical": {"level1": "draft_truncated", "level1_num_layers": 1, "tau2": 10.0},
         "window": {"policy": "entropy", "tau": 3.0},
+        "eagle": {"tree_top_k": 2},
     },
 }
 CASES = {
@@ -88,6 +90,7 @@ CASES = {
     "eagle": ("self", "eagle"),
     "kangaroo": ("self", "kangaroo"),
     "draft-separate": ("separate", "draft"),
+    "eagle-tree": ("separate", "eagle"),
     "hierarchical-draft_truncated": ("separate", "hierarchical"),
 }
 
@@ -115,7 +118,7 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
     for name, spec in DECODERS.items():
         for kind, drafter in trained.items():
             if kind in spec.get("extra_methods", []):
-                spec = {**spec, kind: {"drafter": str(drafter)}}
+                spec = {**spec, kind: {**spec.get(kind, {}), "drafter": str(drafter)}}
         draft = spec["draft"]
         if draft["model"] == "separate":
             spec = {**spec, "draft": {**draft, "model": str(draft_dir)}}
@@ -224,9 +227,10 @@ def run_case(engines, exact, case, params_name, requests, monkeypatch) -> None:
     # Every continuation's second token was verified against drafts, and the drafts were both
     # accepted and rejected (so both the acceptance test and the residual were sampled).
     assert drafts >= DRAWS and 0 < accepted < draft_tokens
-    # A model drafter samples its drafts and hands q to the rejection sampler; prompt lookup's
-    # and the trained heads' drafts are deterministic (q one-hot, passed as None).
-    assert num_with_q == (0 if method in ("ngram", "medusa", "hydra") else drafts)
+    # A model drafter samples its drafts and hands q to the rejection sampler; prompt lookup's,
+    # the trained heads' and EAGLE-2 trees' drafts are deterministic (q one-hot, passed as None).
+    deterministic = case in ("ngram", "medusa-tree", "hydra-tree", "eagle-tree")
+    assert num_with_q == (0 if deterministic else drafts)
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))

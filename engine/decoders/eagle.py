@@ -35,6 +35,7 @@ from engine.attention import SequenceSlice, build_attention_metadata
 from engine.decoders.base import Proposal, TargetContext
 from engine.decoders.drafter_files import build_readout, load_drafter
 from engine.decoders.drafting import ModelDrafter
+from engine.decoders.eagle_tree import draft_tree
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
@@ -266,12 +267,22 @@ class EagleDrafter(ModelDrafter):
             log.guess = hidden[row + piece.num_new - 1].clone()
             log.guess_position = state.num_cached - 1
             row += piece.num_new
-        scores = self.readout(hidden[torch.tensor(rows, device=self.device)]).float()
+        return self.read_out(hidden[torch.tensor(rows, device=self.device)])
+
+    def read_out(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary (-inf outside the draft vocabulary) of drafter
+        outputs ``hidden`` [N, d]."""
+        scores = self.readout(hidden).float()
         logits = torch.full(
-            (len(rows), arch.vocab_size), float("-inf"), dtype=torch.float32, device=self.device
-        )
+            (len(hidden), self.model.arch.vocab_size), float("-inf"), dtype=torch.float32,
+            device=self.device,
+        )  # fmt: skip
         logits[:, self.draft_vocab] = scores
         return logits
+
+    def root_guess(self, seq: Sequence) -> torch.Tensor:
+        """The drafter's output at the sequence's newest entry (after ``forward``)."""
+        return self._logs[seq].guess
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """Only the decode token's entry read the target's own feature; the accepted drafts'
@@ -283,10 +294,19 @@ class EagleDrafter(ModelDrafter):
 
 
 class EagleDecoder(ModelDraftDecoder):
+    """Chains, or with ``tree_top_k`` EAGLE-2's dynamic trees (``engine.decoders.eagle_tree``)."""
+
     reads_target_hidden = True
 
-    def __init__(self, drafter: EagleDrafter):
+    def __init__(self, drafter: EagleDrafter, tree_top_k: int = 0, tree_depth: int = 0):
         super().__init__("eagle", drafter)
+        self.tree_top_k = tree_top_k
+        self.tree_depth = tree_depth
+
+    def propose(self, seqs, num_drafts) -> dict:
+        if not self.tree_top_k:
+            return self.drafter.draft(seqs, num_drafts)
+        return draft_tree(self.drafter, seqs, num_drafts, self.tree_top_k, self.tree_depth)
 
     def plan(self, seqs, max_drafts) -> dict:
         return {s: k for s, k in max_drafts.items() if k > 0 and self.drafter.has_features(s)}
@@ -298,7 +318,9 @@ class EagleDecoder(ModelDraftDecoder):
 def build_eagle_decoder(config: DecoderConfig, target: TargetContext) -> EagleDecoder:
     drafter = load_drafter(config.eagle.drafter, "eagle", EagleNetwork, target.model)
     window = build_window(config.window)
-    quantization = config.eagle.quantization
+    options = config.eagle
     return EagleDecoder(
-        EagleDrafter(drafter.network, drafter.draft_vocab, target, window, quantization)
+        EagleDrafter(drafter.network, drafter.draft_vocab, target, window, options.quantization),
+        options.tree_top_k,
+        options.tree_depth,
     )

@@ -167,6 +167,12 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
         Variant("eagle", {"method": "eagle"}),
         Variant("eagle-k2", {"method": "eagle", "num_speculative_tokens": 2}),
         Variant("eagle-k3", {"method": "eagle", "num_speculative_tokens": 3}),
+        # EAGLE-2's dynamic trees: k is the tree's nodes, expanding the top 2 or 4 per depth.
+        Variant("eagle-tree2", {"method": "eagle", "eagle": {"tree_top_k": 2}}),
+        Variant(
+            "eagle-tree4-k8",
+            {"method": "eagle", "eagle": {"tree_top_k": 4}, "num_speculative_tokens": 8},
+        ),
         # The Kangaroo adapter shipped for the model; chains stop below its exit threshold.
         Variant("kangaroo", {"method": "kangaroo"}),
         Variant("kangaroo-k2", {"method": "kangaroo", "num_speculative_tokens": 2}),
