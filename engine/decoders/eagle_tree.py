@@ -86,6 +86,7 @@ class _Round:
         return self.root_guess if parent < 0 else self.nodes[parent].guess
 
 
+@torch.inference_mode()
 def draft_tree(
     drafter: EagleDrafter, seqs: list[Sequence], num_drafts: dict, top_k: int, depth: int
 ) -> dict[Sequence, Proposal]:
@@ -116,7 +117,7 @@ def _start_round(drafter: EagleDrafter, seq: Sequence) -> _Round:
     k_cache, v_cache = drafter.kv_cache.layers[0]
     positions = torch.arange(decode + 1)
     window = drafter.model.arch.sliding_window
-    if window is not None:  # the tree's entries sit past the decode token: fewer keys
+    if window is not None:  # (Mistral) the cached entries a query near the decode token sees
         positions = positions[-window:]
     table = seq.cache_state().block_table
     slots = slots_for_positions(table, positions, drafter.kv_cache.block_size).to(k_cache.device)
@@ -161,7 +162,6 @@ def _values(logits: torch.Tensor, rows, eos_token_ids) -> torch.Tensor:
     return probabilities(processed).masked_fill(processed.isneginf(), 0.0)
 
 
-@torch.inference_mode()
 def _expand(drafter: EagleDrafter, rounds: list[_Round], parents: list[list[int]]):
     """The drafter layer over the frontier nodes of every round at once (the same layer as
     ``EagleDrafter.forward``, with the tree's attention); returns their logits, a row per node,
