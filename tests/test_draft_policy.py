@@ -8,8 +8,10 @@ step. Sampled exactness with changing lengths is in tests/test_decoders_sampling
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.draft_policy import DecoderRecord, GoodputPolicy, StepTimings
@@ -146,6 +148,27 @@ def test_the_engine_times_its_steps_once_before_the_first_choice(tiny_model_dir)
     timed = dict(policy.cost.products)
     llm.generate([[5, 6, 7, 8, 9] * 6], SamplingParams(temperature=0, max_tokens=8))
     assert policy.cost.products == timed and policy.cost.scale != 1.0  # rescaled, not re-timed
+
+
+def test_the_timings_skip_a_freshly_loaded_process_s_slow_start(tiny_model_dir, monkeypatch):
+    # Fault injection: the runner's steps take 20 ms during their first 0.1 s of running and
+    # 1 ms after, whatever their size (a process just loaded runs slow for a while). Timed
+    # inside that while, one token would look many times dearer than two, and drafting free.
+    from engine import step_costs
+
+    engine = LLM(model=str(tiny_model_dir)).engine
+    runner = engine.runner
+    started = []
+
+    def run(items, **options):
+        started.append(started[0] if started else time.perf_counter())
+        slow = time.perf_counter() - started[0] < 0.1
+        time.sleep(0.02 if slow else 0.001)
+        return torch.zeros(len(items), 8)
+
+    monkeypatch.setattr(runner, "run", run)
+    timings = step_costs.time_forward_steps(runner, engine.block_manager, 4)
+    assert timings.short[1] < 0.01 and timings.short[2] < 0.01
 
 
 def test_acceptance_by_position_gives_the_expected_accepted_drafts():
