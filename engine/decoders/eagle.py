@@ -298,7 +298,7 @@ class EagleDecoder(ModelDraftDecoder):
 
     reads_target_hidden = True
 
-    def __init__(self, drafter: EagleDrafter, tree_top_k: int = 0, tree_depth: int = 0):
+    def __init__(self, drafter: EagleDrafter, tree_top_k: int = 0, tree_depth: int = 4):
         super().__init__("eagle", drafter)
         self.tree_top_k = tree_top_k
         self.tree_depth = tree_depth
