@@ -57,7 +57,9 @@ def _run_for(runner: ModelRunner, items: list[ForwardItem], seconds: float) -> N
     """Run ``items`` over and over for ``seconds``."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
-        runner.run(items)
+        logits = runner.run(items)
+        if logits.is_cuda:  # a GPU would queue far more than ``seconds`` of work otherwise
+            torch.cuda.synchronize(logits.device)
 
 
 def _timings(

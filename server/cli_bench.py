@@ -40,6 +40,8 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
         concurrencies = [int(c) for c in args.concurrencies.split(",") if c.strip()]
         if not concurrencies or min(concurrencies) < 1:
             raise ValueError("--concurrencies: comma-separated counts of at least 1")
+        if args.rounds < 1:
+            raise ValueError("--rounds: at least 1")
         run_concurrency_sweep(
             args.model, args.config, args.compare, concurrencies, args.requests_per_stream,
             args.max_tokens, rounds=args.rounds,

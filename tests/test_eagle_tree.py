@@ -92,16 +92,35 @@ def test_the_tree_is_the_most_valuable_nodes_parents_first(tiny_model_dir, draft
         assert p < i
         values.append(full.confidences[i] * (values[p] if p >= 0 else 1.0))
     assert values == sorted(values, reverse=True)
-    siblings = {}
-    for i, p in enumerate(full.parents):
-        siblings.setdefault(p, []).append(full.token_ids[i])
-    assert all(len(set(s)) == len(s) for s in siblings.values())
     # A grant of n slots keeps the n most valuable: the full tree's first n nodes.
     engine2, seq2 = decoding_sequence(tree_llm(tiny_model_dir, drafter_dir), SamplingParams(
         temperature=0, max_tokens=16))  # fmt: skip
     drafter2 = engine2.speculator.decoders["eagle"].drafter
     small = draft_tree(drafter2, [seq2], {seq2: 5}, top_k=2, depth=3)[seq2]
     assert small.token_ids == full.token_ids[:5] and small.parents == full.parents[:5]
+
+
+def test_sequences_drafting_together_get_the_trees_they_get_alone(tiny_model_dir, drafter_dir):
+    prompts = [PROMPT, [3 + i % 5 for i in range(18)], [60 - i for i in range(17)]]
+    grants = [8, 3, 6]
+
+    def trees(together: bool):
+        engine = tree_llm(tiny_model_dir, drafter_dir).engine
+        for i, p in enumerate(prompts):
+            engine.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=16))
+        engine.step()  # the prefills
+        seqs = sorted(engine.scheduler.running, key=lambda s: s.request_id)
+        drafter = engine.speculator.decoders["eagle"].drafter
+        grant = dict(zip(seqs, grants, strict=True))
+        if together:
+            out = draft_tree(drafter, seqs, grant, top_k=3, depth=4)
+        else:
+            out = {}
+            for s in seqs:
+                out |= draft_tree(drafter, [s], {s: grant[s]}, top_k=3, depth=4)
+        return [(out[s].token_ids, out[s].parents) for s in seqs]
+
+    assert trees(together=True) == trees(together=False)
 
 
 def test_a_one_wide_tree_is_the_greedy_chain(tiny_model_dir, drafter_dir):

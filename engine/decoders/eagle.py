@@ -286,8 +286,10 @@ class EagleDrafter(ModelDrafter):
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """Only the decode token's entry read the target's own feature; the accepted drafts'
-        entries read guesses, and are recomputed once their features are in."""
-        self.window.on_verified(proposal, num_accepted)
+        entries read guesses, and are recomputed once their features are in. Windows cut
+        chains only: a tree's verification tells them nothing."""
+        if proposal.parents is None:
+            self.window.on_verified(proposal, num_accepted)
         state = self._states.get(seq)
         if state is not None:
             state.num_cached = min(state.num_cached, state.start + 1)

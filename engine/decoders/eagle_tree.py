@@ -208,11 +208,13 @@ def _attend(q: torch.Tensor, r: _Round, nodes: list[int]) -> torch.Tensor:
     values = torch.cat([r.context_v, torch.stack(r.tree_v)])
     kvh = keys.shape[1]
     group = h // kvh  # query heads per K/V head
-    seen = torch.ones(f, len(keys), dtype=torch.bool, device=q.device)
+    # Built on the CPU and moved once: the tree part is a few bits per node.
+    seen = torch.ones(f, len(keys), dtype=torch.bool)
     context = len(r.context_k)
     for a, node in enumerate(nodes):
         path = set(r.path(node))
         seen[a, context:] = torch.tensor([owner in path for owner in r.tree_owner])
+    seen = seen.to(q.device)
     # Queries of one K/V head side by side: [KVH, F * group, D] against [KVH, L + m, D].
     qg = q.reshape(f, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, f * group, d)
     mask = seen.repeat_interleave(group, dim=0)  # [F * group, L + m]
