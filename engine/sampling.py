@@ -38,6 +38,7 @@ __all__ = [
     "greedy_tokens",
     "logit_bias_problems",
     "make_generator",
+    "needs_processing",
     "probabilities",
     "process_logits",
     "sample_from_probabilities",
@@ -283,7 +284,8 @@ def _filters(params: SamplingParams) -> bool:
     )
 
 
-def _needs_processing(row: SamplingRow) -> bool:
+def needs_processing(row: SamplingRow) -> bool:
+    """Whether ``process_logits`` would change the row's logits."""
     params = row.sampling_params
     return (
         params.constraint_state is not None
@@ -307,7 +309,7 @@ def process_logits(
     """
     if logits.shape[0] != len(rows):
         raise ValueError(f"got {logits.shape[0]} rows of logits for {len(rows)} sampling rows")
-    if not any(_needs_processing(row) for row in rows):
+    if not any(needs_processing(row) for row in rows):
         return logits
     # Contiguous, because the penalty kernels index the flattened logits.
     out = logits.clone(memory_format=torch.contiguous_format)

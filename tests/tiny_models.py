@@ -88,9 +88,11 @@ def save_heads_drafter(model_dir: Path, path: Path, kind: str = "medusa", num_he
     return path
 
 
-def save_eagle_drafter(model_dir: Path, path: Path, seed: int = 0, scale: float = 1.0) -> Path:
+def save_eagle_drafter(
+    model_dir: Path, path: Path, seed: int = 0, scale: float = 1.0, draft_vocab=None
+) -> Path:
     """An EAGLE drafter for the tiny model: a randomly initialised layer (PyTorch's default
-    initialisation, scaled), the whole vocabulary as draft vocabulary."""
+    initialisation, scaled), the whole vocabulary as draft vocabulary unless given."""
     import json
 
     from engine.decoders.drafter_files import TrainedDrafter
@@ -109,9 +111,8 @@ def save_eagle_drafter(model_dir: Path, path: Path, seed: int = 0, scale: float 
             parameter.mul_(scale)
     target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
     accuracies = [[0.5, 0.2], [0.4, 0.2]]
-    TrainedDrafter("eagle", network, torch.arange(vocab), accuracies, target, {"test": True}).save(
-        path
-    )
+    vocabulary = torch.arange(vocab) if draft_vocab is None else draft_vocab
+    TrainedDrafter("eagle", network, vocabulary, accuracies, target, {"test": True}).save(path)
     return path
 
 

@@ -33,6 +33,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.rejection_sampler import position_row
 from engine.sampling import (
     make_generator,
+    needs_processing,
     probabilities,
     process_logits,
     sample_from_probabilities,
@@ -68,6 +69,17 @@ def draft_statistics(distributions: torch.Tensor) -> tuple[list[float], list[flo
 
 class ModelDrafter:
     """Drafts chains with ``runner``'s model; see the module docstring for the cache modes."""
+
+    # Drafters that can only propose a draft vocabulary (the trained ones: a readout of a few
+    # thousand LM-head rows) set its token ids here, ascending, with the full vocabulary's
+    # size, and return scores over just those columns from ``forward(..., compact=True)``.
+    # Where no row's logits need processing (greedy or plain sampling, no penalties, bias,
+    # filters or constraints: the usual request) a draft step then never touches a
+    # whole-vocabulary row, which at batch 1 cost more than the drafter's products. The
+    # result is the same: the other columns are -inf, so they add nothing to a softmax, its
+    # entropy or its top, and with ascending ids an argmax keeps its first-of-equals choice.
+    draft_vocab: torch.Tensor | None = None
+    vocab_size: int = 0
 
     def __init__(
         self,
@@ -190,15 +202,21 @@ class ModelDrafter:
         confidences: dict[Sequence, list[float]] = {s: [] for s in active}
         entropies: dict[Sequence, list[float]] = {s: [] for s in active}
         while active:
-            logits = self.forward(active, chains, {s: 1 for s in active})
             rows = [
                 position_row(s.sampling_params, s.prompt_token_ids, s.output_token_ids, chains[s])
                 for s in active
             ]
-            dists, processed = self.distributions(logits, rows)
+            ones = {s: 1 for s in active}
+            compact = self.draft_vocab is not None and not any(map(needs_processing, rows))
+            if compact:
+                processed = self.forward(active, chains, ones, compact=True)
+                # Unprocessed: q of a sampled row and the raw softmax of a greedy one agree.
+                dists = torch.softmax(processed, dim=-1)
+            else:
+                dists, processed = self.distributions(self.forward(active, chains, ones), rows)
             tops, ents = draft_statistics(dists)
             # max's indices: argmax's (the first of equal maxima) at a third of its time here.
-            tokens = processed.max(dim=-1).indices.tolist()
+            picks = processed.max(dim=-1).indices
             greedy = [s.sampling_params.greedy for s in active]
             sampled = [i for i, g in enumerate(greedy) if not g]
             if sampled:
@@ -208,16 +226,15 @@ class ModelDrafter:
                         for i in sampled
                     ]
                 )
-                draws = sample_from_probabilities(dists[sampled], uniforms).tolist()
-                for i, token in zip(sampled, draws, strict=True):
-                    tokens[i] = token
+                picks[sampled] = sample_from_probabilities(dists[sampled], uniforms)
+            tokens = (self.draft_vocab[picks] if compact else picks).tolist()
             still = []
             for i, s in enumerate(active):
                 token = tokens[i]
                 drafts[s].append(token)
                 chains[s].append(token)
                 if not greedy[i]:
-                    q_rows[s].append(dists[i])
+                    q_rows[s].append(self._whole_vocabulary(dists[i]) if compact else dists[i])
                 confidences[s].append(tops[i])
                 entropies[s].append(ents[i])
                 if (
@@ -230,6 +247,12 @@ class ModelDrafter:
         return {
             s: Proposal.drawn(drafts[s], q_rows[s], confidences[s], entropies[s]) for s in drafts
         }
+
+    def _whole_vocabulary(self, dist: torch.Tensor) -> torch.Tensor:
+        """A draft-vocabulary distribution as a row over every token (the verifier's q)."""
+        full = dist.new_zeros(self.vocab_size)
+        full[self.draft_vocab] = dist
+        return full
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """Keep the draft K/V of the tokens that stood: the decode token and the accepted

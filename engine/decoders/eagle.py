@@ -198,8 +198,10 @@ class EagleDrafter(ModelDrafter):
             projection(network.gate_up),
             projection(network.down),
         )
-        self.draft_vocab = draft_vocab.to(self.device)
-        self.readout = build_readout(self.model, draft_vocab)
+        # Ascending ids, so compact scores keep an argmax's first-of-equals choice.
+        self.draft_vocab = draft_vocab.sort().values.to(self.device)
+        self.vocab_size = arch.vocab_size
+        self.readout = build_readout(self.model, self.draft_vocab)
         cache = target.kv_cache
         self.kv_cache = KVCache(
             1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim, dtype,
@@ -235,10 +237,11 @@ class EagleDrafter(ModelDrafter):
         return state
 
     @torch.inference_mode()
-    def forward(self, seqs, chains, num_logits) -> torch.Tensor:
+    def forward(self, seqs, chains, num_logits, compact: bool = False) -> torch.Tensor:
         """The drafter over each sequence's entries from its first uncached one; returns
-        logits over the whole vocabulary (-inf outside the draft vocabulary) for the last
-        ``num_logits[seq]`` entries of each, sequence after sequence."""
+        logits over the whole vocabulary (-inf outside the draft vocabulary), or with
+        ``compact`` over the draft vocabulary's columns, for the last ``num_logits[seq]``
+        entries of each, sequence after sequence."""
         width = self.model.arch.hidden_size
         ids, positions, features, slices, rows = [], [], [], [], []
         row = 0
@@ -267,7 +270,8 @@ class EagleDrafter(ModelDrafter):
             log.guess = hidden[row + piece.num_new - 1].clone()
             log.guess_position = state.num_cached - 1
             row += piece.num_new
-        return self.read_out(hidden[torch.tensor(rows, device=self.device)])
+        wanted = hidden[torch.tensor(rows, device=self.device)]
+        return self.readout(wanted).float() if compact else self.read_out(wanted)
 
     def read_out(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (-inf outside the draft vocabulary) of drafter
