@@ -69,20 +69,17 @@ class DraftModelConfig(_Strict):
 
 
 class TrainedDrafterConfig(_Strict):
-    """A trained decoder's drafter (``medusa``, ``hydra``, ``eagle``): a directory that
-    ``specserve train KIND`` writes; None takes the drafter shipped for the model, if one is."""
+    """A trained decoder's drafter (``medusa``, ``hydra``, ``eagle``, ``kangaroo``): a
+    directory that ``specserve train KIND`` writes (None takes the drafter shipped for the
+    model, if one is), and the precision its own projections run at: int8 weights (per
+    channel; a quarter of float32's bytes per draft) or as trained (none). Drafts only set
+    the speed: output is exact either way."""
 
     drafter: str | None = None
-
-
-class AdapterDrafterConfig(TrainedDrafterConfig):
-    """A trained drafter with projections of its own, and the precision they run at: int8
-    weights (per channel; a quarter of float32's bytes per draft) or as trained (none)."""
-
     quantization: Literal["none", "int8"] = "int8"
 
 
-class EagleConfig(AdapterDrafterConfig):
+class EagleConfig(TrainedDrafterConfig):
     """The ``eagle`` decoder's drafter; with ``tree_top_k`` > 0 it drafts EAGLE-2's dynamic
     trees (each depth expands the ``tree_top_k`` most likely nodes with ``tree_top_k``
     children each, at most ``tree_depth`` deep; the step's k is the tree's node count), else
@@ -92,7 +89,7 @@ class EagleConfig(AdapterDrafterConfig):
     tree_depth: int = Field(4, ge=1, le=16)
 
 
-class KangarooConfig(AdapterDrafterConfig):
+class KangarooConfig(TrainedDrafterConfig):
     """The ``kangaroo`` decoder's adapter (its exit layer is part of the trained drafter), the
     precision of the adapter's projections, and the second early exit: drafting stops once
     the drafter's top-1 probability falls below ``exit_threshold`` (Kangaroo's eta)."""

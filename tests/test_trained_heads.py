@@ -98,6 +98,31 @@ def test_greedy_equals_autoregressive_batched_preempted_and_aborted(
     check_greedy_identity_batched_preempted_aborted(tiny_model_dir, make)
 
 
+@pytest.mark.parametrize("quantization, tolerance", [("none", 1e-5), ("int8", 0.03)])
+def test_the_engine_runs_each_head_as_trained(
+    kind, tiny_model_dir, tmp_path, quantization, tolerance
+):
+    """The decoder's projections (int8 by default, float32 with ``none``) compute each head's
+    trained function: head j's own weights, its own inputs."""
+    drafter = save_heads_drafter(tiny_model_dir, tmp_path / "d", kind, scale=0.2)
+    decoder_config = {"method": kind, kind: {"drafter": str(drafter), "quantization": quantization}}
+    decoder = LLM(model=str(tiny_model_dir), decoder=decoder_config).engine.speculator.decoders[
+        kind
+    ]
+    torch.manual_seed(0)
+    heads = decoder.heads
+    features = torch.randn(3, heads.hidden_size)
+    trained = heads(features) if kind == "medusa" else None
+    for j, block in enumerate(decoder.blocks):
+        if kind == "medusa":
+            want, got = trained[j], heads.block(j, features, block)
+        else:
+            embeddings = torch.randn(3, j + 1, heads.hidden_size)
+            want = heads.head(j, features, embeddings)
+            got = heads.head(j, features, embeddings, (decoder.inputs[j], block))
+        assert ((got - want).norm() / want.norm()).item() < tolerance
+
+
 def test_hydra_heads_read_the_path_they_extend(tiny_model_dir, tmp_path):
     # Two paths with the same first candidate rank but different tokens get different
     # children: the depth-2 candidates depend on the depth-1 token.

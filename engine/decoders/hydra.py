@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from engine.decoders.base import Decoder, TargetContext
 from engine.decoders.drafter_files import build_readout, load_drafter
-from engine.decoders.trained_heads import ResidualBlocks, TrainedHeadsDecoder
+from engine.decoders.trained_heads import ResidualBlocks, TrainedHeadsDecoder, head_projection
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
@@ -38,11 +38,17 @@ class HydraHeads(ResidualBlocks):
             for j in range(num_heads)
         )
 
-    def head(self, j: int, normed: torch.Tensor, embeddings: torch.Tensor) -> torch.Tensor:
-        """[N, d] features and [N, j + 1, d] token embeddings -> [N, d] head j outputs."""
+    def head(
+        self, j: int, normed: torch.Tensor, embeddings: torch.Tensor, linears=(None, None)
+    ) -> torch.Tensor:
+        """[N, d] features and [N, j + 1, d] token embeddings -> [N, d] head j outputs.
+        ``linears``: head j's input projection and block as the engine runs them (default:
+        the trained parameters)."""
         e = F.rms_norm(embeddings, (embeddings.shape[-1],))
-        x = torch.cat([normed, e.flatten(1)], dim=1) @ self.inputs[j].T
-        return x + F.silu(x @ self.weight[j].T + self.bias[j])
+        x = torch.cat([normed, e.flatten(1)], dim=1)
+        inputs, block = linears
+        x = inputs(x) if inputs is not None else x @ self.inputs[j].T
+        return self.block(j, x, block)
 
     def forward_train(self, normed: torch.Tensor, next_embeddings: torch.Tensor) -> torch.Tensor:
         """[B, d] features, [B, heads, d] embeddings of the tokens after each -> [heads, B, d]:
@@ -54,6 +60,13 @@ class HydraHeads(ResidualBlocks):
 
 class HydraDecoder(TrainedHeadsDecoder, Decoder):
     name = "hydra"
+
+    def __init__(self, drafter, target, readout, quantization: str):
+        super().__init__(drafter, target, readout, quantization)
+        self.inputs = [
+            head_projection(self.heads.inputs[j], None, quantization, target.model)
+            for j in range(self.heads.num_heads)
+        ]
 
     @torch.inference_mode()
     def propose(self, seqs, num_drafts: dict) -> dict:
@@ -80,7 +93,9 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
                 later = embed(torch.tensor(path_tokens).flatten()).float()
                 later = later.reshape(len(path_tokens), depth - 1, -1)
                 embeddings = torch.cat([embeddings, later], dim=1)
-            guesses = self.heads.head(depth - 1, features.repeat(len(parents), 1), embeddings)
+            j = depth - 1
+            linears = (self.inputs[j], self.blocks[j])
+            guesses = self.heads.head(j, features.repeat(len(parents), 1), embeddings, linears)
             top = self.top_candidates(guesses)
             for k, parent in enumerate(parents):
                 candidates[parent] = top[k * batch : (k + 1) * batch]
@@ -89,4 +104,5 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
 
 def build_hydra_decoder(config: DecoderConfig, target: TargetContext) -> HydraDecoder:
     drafter = load_drafter(config.hydra.drafter, "hydra", HydraHeads, target.model)
-    return HydraDecoder(drafter, target, build_readout(target.model, drafter.draft_vocab))
+    readout = build_readout(target.model, drafter.draft_vocab)
+    return HydraDecoder(drafter, target, readout, config.hydra.quantization)

@@ -46,7 +46,10 @@ class MedusaDecoder(TrainedHeadsDecoder, Decoder):
         seqs = [s for s in seqs if s in self._hidden]
         if not seqs:
             return {}
-        guesses = self.heads(self.normed_features(seqs))  # [heads, B, d]
+        normed = self.normed_features(seqs)
+        guesses = torch.stack(
+            [self.heads.block(j, normed, block) for j, block in enumerate(self.blocks)]
+        )  # [heads, B, d]
         heads, batch, width = guesses.shape
         top = self.top_candidates(guesses.reshape(heads * batch, width))  # [head * B + b][i]
         return self.proposals(seqs, num_drafts, lambda b, p: top[(len(p) - 1) * batch + b][p[-1]])
@@ -54,4 +57,5 @@ class MedusaDecoder(TrainedHeadsDecoder, Decoder):
 
 def build_medusa_decoder(config: DecoderConfig, target: TargetContext) -> MedusaDecoder:
     drafter = load_drafter(config.medusa.drafter, "medusa", MedusaHeads, target.model)
-    return MedusaDecoder(drafter, target, build_readout(target.model, drafter.draft_vocab))
+    readout = build_readout(target.model, drafter.draft_vocab)
+    return MedusaDecoder(drafter, target, readout, config.medusa.quantization)

@@ -14,9 +14,12 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from engine.decoders.base import Proposal
 from engine.decoders.drafter_files import TrainedDrafter
+from engine.models.draft_copies import quantized_dense
+from engine.models.linear import Linear
 from engine.models.llama import rms_norm
 
 # Candidate paths kept in a tree ranking (more than any sensible k).
@@ -31,6 +34,12 @@ class ResidualBlocks(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_heads, hidden_size, hidden_size))
         self.bias = nn.Parameter(torch.zeros(num_heads, hidden_size))
+
+    def block(self, j: int, x: torch.Tensor, linear: nn.Module | None = None) -> torch.Tensor:
+        """Head j's residual block on [N, d] ``x``; ``linear``: its projection as the engine
+        runs it (default: the trained parameters)."""
+        z = linear(x) if linear is not None else x @ self.weight[j].T + self.bias[j]
+        return x + F.silu(z)
 
     @property
     def num_heads(self) -> int:
@@ -68,6 +77,18 @@ def tree_parents(tree: list[tuple]) -> list[int]:
     return [index[path[:-1]] if len(path) > 1 else -1 for path in tree]
 
 
+def head_projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
+) -> nn.Module:
+    """A head's trained projection as the engine runs it: int8 in the kernels' layout (the
+    drafter's own precision; drafts only set the speed) or as trained (``none``)."""
+    weight = weight.detach().to(model.dtype)
+    bias = None if bias is None else bias.detach().to(model.dtype)
+    if quantization == "int8":
+        return quantized_dense(weight, bias, "int8", model)
+    return Linear(weight, bias, pack=True)
+
+
 class TrainedHeadsDecoder:
     """The decoder side both kinds share: each sequence's newest target hidden state (kept until
     the sequence is gone), the plan (a tree of up to k nodes for every sequence that has one),
@@ -75,9 +96,16 @@ class TrainedHeadsDecoder:
 
     reads_target_hidden = True
 
-    def __init__(self, drafter: TrainedDrafter, target, readout: nn.Module):
+    def __init__(self, drafter: TrainedDrafter, target, readout: nn.Module, quantization: str):
         device = target.model.final_norm.device  # the heads read the target's hidden states
         self.heads = drafter.network.to(device)
+        # Each head's residual block as a linear at the configured precision: as float32
+        # parameters multiplied by torch's BLAS, one row's products of the three heads took
+        # a few hundred microseconds, most of a draft.
+        self.blocks = [
+            head_projection(self.heads.weight[j], self.heads.bias[j], quantization, target.model)
+            for j in range(self.heads.num_heads)
+        ]
         self.draft_vocab = drafter.draft_vocab.to(device)
         self.model = target.model
         self.readout = readout
