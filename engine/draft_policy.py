@@ -22,9 +22,12 @@ for the B sequences that want to draft, with
 
 Exploration costs one sequence, never the batch: a length never drafted yet is tried by one
 sequence of the group (``explore``: it drafts one more than the choice), and so is the next
-length every ``explore_every`` steps while it is within ``PLAUSIBLE`` of the best rate (its
-acceptance and cost estimates keep up with the load), and only every ``RARELY`` times that
-otherwise (a loss by the estimates is seldom worth re-checking, and each check slows a step).
+length every ``explore_every`` steps while it could be within ``PLAUSIBLE`` of the best rate
+(its acceptance and cost estimates keep up with the load), and only every ``RARELY`` times
+that otherwise (a loss by the estimates is seldom worth re-checking, and each check slows a
+step). "Could be" reads each acceptance ``OPTIMISM`` standard errors high: a few unlucky
+first runs (one accepted of five, for a drafter right 46% of the time) must not file a
+length under "clear loss" before enough runs say so.
 The windows, the gate and the request's k still cap what it may choose: it only ever drafts
 less. Choosing 0 for every sequence leaves the step without drafts. Output never depends on it:
 the verifier is exact whatever is drafted.
@@ -42,6 +45,7 @@ PRIOR_ACCEPTANCE = 0.5  # the first position, before any run reached it
 PRIOR_RUNS = 2.0  # pseudo-runs behind each position's estimate
 PLAUSIBLE = 0.9  # explore the next length while its rate is within this of the best
 RARELY = 16  # ... and every RARELY-th exploring step otherwise
+OPTIMISM = 1.5  # standard errors added to an acceptance when judging what to explore
 
 
 def _ema(old: float | None, new: float, weight: float = SMOOTHING) -> float:
@@ -146,12 +150,17 @@ class DecoderRecord:
 
     # by (depth k, sequences drafting)
     draft_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft_counts: dict[tuple[int, int], int] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # runs that drafted position j
     accepted: list[float] = field(default_factory=list)  # ... and had it accepted
 
     def observe_draft(self, depth: int, num_seqs: int, seconds: float) -> None:
         key = (depth, num_seqs)
-        self.draft_seconds[key] = _ema(self.draft_seconds.get(key), seconds)
+        count = self.draft_counts[key] = self.draft_counts.get(key, 0) + 1
+        # The plain mean until SMOOTHING's weight takes over: a length drafted only while
+        # exploring is seen a few times, and its first times must not linger.
+        weight = max(SMOOTHING, 1 / count)
+        self.draft_seconds[key] = _ema(self.draft_seconds.get(key), seconds, weight)
 
     def predict_draft(self, depth: int, num_seqs: int) -> float | None:
         """Drafting time of ``num_seqs`` sequences to ``depth``: as measured, else the nearest
@@ -178,21 +187,22 @@ class DecoderRecord:
             self.reached[j] += 1
             self.accepted[j] += j < num_accepted
 
-    def acceptance(self, position: int) -> float:
+    def acceptance(self, position: int, optimism: float = 0.0) -> float:
         """Accepted over reached at ``position``, with PRIOR_RUNS pseudo-runs at the previous
         position's rate (PRIOR_ACCEPTANCE for the first): a deep position reached a few times
-        must not read 100% and make long drafts look free."""
-        prior = PRIOR_ACCEPTANCE if position == 0 else self.acceptance(position - 1)
+        must not read 100% and make long drafts look free. ``optimism``: that many standard
+        errors higher (at most 1)."""
+        prior = PRIOR_ACCEPTANCE if position == 0 else self.acceptance(position - 1, optimism)
         if position >= len(self.reached):
             return prior
-        return (self.accepted[position] + PRIOR_RUNS * prior) / (
-            self.reached[position] + PRIOR_RUNS
-        )
+        runs = self.reached[position] + PRIOR_RUNS
+        rate = (self.accepted[position] + PRIOR_RUNS * prior) / runs
+        return min(1.0, rate + optimism * (rate * (1 - rate) / runs) ** 0.5)
 
-    def expected_accepted(self, k: int) -> float:
+    def expected_accepted(self, k: int, optimism: float = 0.0) -> float:
         total, chain = 0.0, 1.0
         for j in range(k):
-            chain *= self.acceptance(j)
+            chain *= self.acceptance(j, optimism)
             total += chain
         return total
 
@@ -239,6 +249,7 @@ class GoodputPolicy:
         self._steps += 1
         record = self.decoders[decoder]
         rates: dict[int, tuple[float, float]] = {}  # k -> (tokens per second, step seconds)
+        hopes: dict[int, float] = {}  # k -> tokens per second at optimistic acceptance
         for k in range(cap + 1):
             # Each of the 1 + k tokens attends to its sequence, drafts to their predecessors.
             keys = other_keys + (1 + k) * context + num_seqs * k * (k + 1) // 2
@@ -248,6 +259,8 @@ class GoodputPolicy:
                 break  # not measured: deeper lengths are not either
             expected = other_tokens + num_seqs * (1 + record.expected_accepted(k))
             rates[k] = (expected / (forward + drafting), forward + drafting)
+            hoped = other_tokens + num_seqs * (1 + record.expected_accepted(k, OPTIMISM))
+            hopes[k] = hoped / (forward + drafting)
         best = max(rates, key=lambda k: rates[k][0]) if rates else 0
         nxt = best + 1
         if nxt > cap:
@@ -256,7 +269,7 @@ class GoodputPolicy:
             self.explore = True  # never measured: one sequence tries it now
         elif self._steps % self.explore_every == 0:
             self._exploring_steps += 1
-            plausible = rates[nxt][0] >= PLAUSIBLE * rates[best][0]
+            plausible = hopes[nxt] >= PLAUSIBLE * rates[best][0]
             self.explore = plausible or self._exploring_steps % RARELY == 0
         else:
             self.explore = False

@@ -90,6 +90,7 @@ class Speculator:
         self.predicted_step_seconds = 0.0
         self.measured_step_seconds = 0.0
         self._step_draft_seconds = 0.0
+        self._warm_decoders: set[str] = set()  # decoders whose drafting time is measured
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()  # all decoders together
         self.last_sources: dict = {}  # verify(): each sequence's token sources, if it asked
@@ -164,7 +165,14 @@ class Speculator:
             proposals.update(decoder.propose(seqs, grants))
             if self.policy is not None:
                 seconds = time.perf_counter() - started
-                self.policy.observe_draft(decoder.name, max(grants.values()), len(grants), seconds)
+                if decoder.name in self._warm_decoders:
+                    self.policy.observe_draft(
+                        decoder.name, max(grants.values()), len(grants), seconds
+                    )
+                # A decoder's first drafts in a process run cold (first calls allocate and
+                # warm caches: 1.5-4x a later call), and the policy would price a
+                # length by the one call it made while exploring it.
+                self._warm_decoders.add(decoder.name)
                 self._step_draft_seconds += seconds
         for seq, s in granted.items():
             proposal = proposals.get(seq)

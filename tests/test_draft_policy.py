@@ -259,3 +259,57 @@ def test_plain_and_verified_steps_mix_without_changing_seeded_output(tiny_model_
     spec.plain_step = counting
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert any(plain_steps) and not all(plain_steps)  # both kinds of step ran
+
+
+def test_an_unlucky_start_is_explored_until_the_runs_say_so():
+    # Drafting one token pays once 35% of drafts are right. None of the first five runs was
+    # accepted (one chance in 20 for a drafter right 46% of the time): the estimate says a
+    # clear loss, but five runs cannot tell, so the length keeps being tried at the regular
+    # pace, not rarely.
+    def step(n):
+        return 0.010 * (1 + 0.1 * (n - 1))
+
+    policy = GoodputPolicy(explore_every=1)
+    for n in range(1, 4):
+        policy.observe_step(n, step(n))
+    policy.observe_draft("d", 1, 1, 0.0025)
+    for _ in range(5):
+        policy.observe_run("d", 1, 0)
+    record = policy.decoders["d"]
+    assert record.expected_accepted(1) < 0.2  # a clear loss by the point estimate
+    explored = [policy.choose("d", num_seqs=1, cap=1) == 0 and policy.explore for _ in range(8)]
+    assert all(explored)
+    draws = random.Random(1)
+    for _ in range(60):  # the exploration runs come in at the drafter's real rate
+        policy.observe_run("d", 1, int(draws.random() < 0.46))
+    assert policy.choose("d", num_seqs=1, cap=1) == 1
+
+
+def test_early_drafting_times_are_averaged_not_smoothed():
+    record = DecoderRecord()
+    for seconds in (0.004, 0.001, 0.001, 0.001):
+        record.observe_draft(1, 1, seconds)
+    assert record.predict_draft(1, 1) == pytest.approx(0.00175)  # the mean of four
+
+
+def test_a_decoder_s_first_drafts_in_the_process_are_not_timed(tiny_model_dir, monkeypatch):
+    # Fault injection: the first propose call takes 50 ms (a cold first call), later ones
+    # their own time. Its time must not become the price of the length it explored.
+    decoder = {"method": "draft", "num_speculative_tokens": 2}  # an int8 copy: always drafts
+    engine = LLM(model=str(tiny_model_dir), decoder=decoder).engine
+    draft = engine.speculator.decoders["draft"]
+    propose, calls = draft.propose, []
+
+    def slow_first(seqs, grants):
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(0.05)
+        return propose(seqs, grants)
+
+    monkeypatch.setattr(draft, "propose", slow_first)
+    engine.add_request("r", [5, 6, 7, 8, 9] * 6, SamplingParams(temperature=0, max_tokens=24))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(calls) >= 2
+    timed = engine.speculator.policy.decoders["draft"].draft_seconds
+    assert timed and max(timed.values()) < 0.02
