@@ -6,8 +6,6 @@ tests/test_decoders_sampling.py with the other decoders."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -154,48 +152,3 @@ def test_steps_without_drafts_run_plain_and_still_hand_out_features(tiny_model_d
     params = SamplingParams(temperature=0, max_tokens=20)
     expected = LLM(model=str(tiny_model_dir)).generate([PROMPTS[0]], params)[0].token_ids
     assert seq.output_token_ids == expected
-
-
-def _first_round_proposals(model_dir, drafter, params):
-    llm = eagle_llm(model_dir, drafter)
-    engine = llm.engine
-    eagle = engine.speculator.decoders["eagle"].drafter
-    for i, p in enumerate(params):
-        # 20 tokens: the drafts after the decode token still fit the second block.
-        engine.add_request(f"r{i}", PROMPTS[i][:20], p)
-    engine.step()  # prefill: every sequence has its target features
-    seqs = list(engine.scheduler.running)
-    return eagle.draft(seqs, {s: 3 for s in seqs}), [s.request_id for s in seqs]
-
-
-def test_draft_vocabulary_steps_draft_what_whole_vocabulary_steps_draft(
-    tiny_model_dir, tmp_path, monkeypatch
-):
-    """Unprocessed rows draft over the drafter's vocabulary alone; the tokens, q rows (spread
-    back over the whole vocabulary), confidences and entropies must equal the whole-vocabulary
-    path's, for greedy and sampled requests. The draft vocabulary is a shuffled part of the
-    vocabulary, as a trained drafter's is (ranked by frequency)."""
-    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
-    part = torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[: vocab * 3 // 4]
-    drafter_dir = save_eagle_drafter(tiny_model_dir, tmp_path / "d", scale=3.0, draft_vocab=part)
-    params = [
-        SamplingParams(temperature=0, max_tokens=8),
-        SamplingParams(temperature=1.0, seed=3, max_tokens=8),
-        SamplingParams(temperature=1.0, seed=4, max_tokens=8),
-    ]
-    compact, ids = _first_round_proposals(tiny_model_dir, drafter_dir, params)
-    # Rows that seem to need processing take the whole-vocabulary path (processing changes
-    # nothing here, so the two paths must agree).
-    monkeypatch.setattr("engine.decoders.drafting.needs_processing", lambda row: True)
-    whole, ids_whole = _first_round_proposals(tiny_model_dir, drafter_dir, params)
-    assert ids == ids_whole
-    by_id = {s.request_id: p for s, p in whole.items()}
-    for s, got in compact.items():
-        want = by_id[s.request_id]
-        assert got.token_ids == want.token_ids
-        assert got.confidences == pytest.approx(want.confidences, rel=1e-5)
-        assert got.entropies == pytest.approx(want.entropies, rel=1e-5, abs=1e-6)
-        if s.sampling_params.greedy:
-            assert got.draft_probs is None and want.draft_probs is None
-        else:
-            torch.testing.assert_close(got.draft_probs, want.draft_probs, atol=1e-6, rtol=1e-5)

@@ -116,9 +116,12 @@ def save_eagle_drafter(
     return path
 
 
-def save_kangaroo_drafter(model_dir: Path, path: Path, exit_layer: int = 1, seed: int = 0) -> Path:
+def save_kangaroo_drafter(
+    model_dir: Path, path: Path, exit_layer: int = 1, seed: int = 0, draft_vocab=None
+) -> Path:
     """A Kangaroo adapter for the tiny model after its first ``exit_layer`` layers: random
-    weights (its output projection too, so the attention matters), the whole vocabulary."""
+    weights (its output projection too, so the attention matters), the whole vocabulary as
+    draft vocabulary unless given."""
     import json
 
     from engine.decoders.drafter_files import TrainedDrafter
@@ -134,7 +137,6 @@ def save_kangaroo_drafter(model_dir: Path, path: Path, exit_layer: int = 1, seed
     with torch.no_grad():
         adapter.o.weight.normal_(0, 0.05)
     target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
-    TrainedDrafter(
-        "kangaroo", adapter, torch.arange(vocab), [[0.5, 0.2]], target, {"test": True}
-    ).save(path)
+    vocabulary = torch.arange(vocab) if draft_vocab is None else draft_vocab
+    TrainedDrafter("kangaroo", adapter, vocabulary, [[0.5, 0.2]], target, {"test": True}).save(path)
     return path

@@ -152,10 +152,12 @@ class ModelDrafter:
         seqs: list[Sequence],
         chains: dict[Sequence, list[int]],
         num_logits: dict[Sequence, int],
+        compact: bool = False,
     ) -> torch.Tensor:
         """Run the draft model over each sequence's tokens followed by ``chains[seq]``, from
         the first position it has no K/V for; returns the raw logits of the last
-        ``num_logits[seq]`` positions of each, sequence after sequence."""
+        ``num_logits[seq]`` positions of each, sequence after sequence (with ``compact``,
+        over the draft vocabulary's columns: the runner must support it)."""
         items = []
         for s in seqs:
             state = self._states[s]
@@ -163,7 +165,8 @@ class ModelDrafter:
             blocks = s.cache_state().block_table
             items.append(ForwardItem(tokens, state.num_cached, blocks, num_logits[s]))
             state.num_cached += len(tokens)
-        return self.runner.run(items, **self.model_options)
+        options = {**self.model_options, "compact": True} if compact else self.model_options
+        return self.runner.run(items, **options)
 
     def rewind(self, seq: Sequence, num_valid: int) -> None:
         """Only the first ``num_valid`` tokens of ``seq`` (with its chain) are what the draft

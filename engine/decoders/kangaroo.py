@@ -149,12 +149,15 @@ class KangarooRunner(ModelRunner):
             None, None, None,
         )  # fmt: skip
         self.output_norm = norm(adapter.output_norm)
+        # Ascending ids, so compact scores keep an argmax's first-of-equals choice.
+        draft_vocab = draft_vocab.sort().values.to(device)
         self.head = DraftVocabularyHead(
-            build_readout(model, draft_vocab), draft_vocab.to(device), arch.vocab_size
+            build_readout(model, draft_vocab), draft_vocab, arch.vocab_size
         )
 
     @torch.inference_mode()
-    def forward(self, items, **model_options) -> ModelOutput:
+    def forward(self, items, compact: bool = False, **model_options) -> ModelOutput:
+        """``compact``: logits over the draft vocabulary's columns only (``ModelDrafter``)."""
         batch = self.flatten(items)
         layers = self.kv_cache.layers
         shallow = self.model(
@@ -167,7 +170,10 @@ class KangarooRunner(ModelRunner):
         )
         rows = hidden.index_select(0, batch.logits_rows)
         eps = self.model.arch.rms_norm_eps
-        return ModelOutput(logits=self.head(rms_norm(rows, self.output_norm, eps)))
+        normed = rms_norm(rows, self.output_norm, eps)
+        return ModelOutput(
+            logits=self.head.readout(normed).float() if compact else self.head(normed)
+        )
 
 
 class KangarooDecoder(ModelDraftDecoder):
@@ -196,6 +202,7 @@ def build_kangaroo_decoder(config: DecoderConfig, target: TargetContext) -> Kang
     drafter = load_drafter(spec.drafter, "kangaroo", KangarooAdapter, target.model)
     runner = KangarooRunner(drafter.network, drafter.draft_vocab, target, spec.quantization)
     window = ConfidenceExit(spec.exit_threshold)
-    return KangarooDecoder(
-        ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False)
-    )
+    drafter = ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False)
+    # The head reads out the draft vocabulary alone: unprocessed steps draft over its columns.
+    drafter.draft_vocab, drafter.vocab_size = runner.head.draft_vocab, runner.head.vocab_size
+    return KangarooDecoder(drafter)
