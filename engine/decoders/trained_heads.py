@@ -77,16 +77,28 @@ def tree_parents(tree: list[tuple]) -> list[int]:
     return [index[path[:-1]] if len(path) > 1 else -1 for path in tree]
 
 
+class _HeadProjection(nn.Module):
+    """A head's projection in the model's dtype, taking and returning the heads' float32."""
+
+    def __init__(self, linear: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.linear, self.dtype = linear, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x.to(self.dtype)).to(x.dtype)
+
+
 def head_projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
 ) -> nn.Module:
     """A head's trained projection as the engine runs it: int8 in the kernels' layout (the
     drafter's own precision; drafts only set the speed) or as trained (``none``)."""
-    weight = weight.detach().to(model.dtype)
-    bias = None if bias is None else bias.detach().to(model.dtype)
+    dtype = model.dtype
+    weight = weight.detach().to(dtype)
+    bias = None if bias is None else bias.detach().to(dtype)
     if quantization == "int8":
-        return quantized_dense(weight, bias, "int8", model)
-    return Linear(weight, bias, pack=True)
+        return _HeadProjection(quantized_dense(weight, bias, "int8", model), dtype)
+    return _HeadProjection(Linear(weight, bias, pack=True), dtype)
 
 
 class TrainedHeadsDecoder:
