@@ -103,11 +103,9 @@ def build_attention_metadata(
 
     With ``sliding_window`` W (Mistral), a query at position p sees keys in (p - W, p].
     """
-    slot_parts, short, groups = [], [], []
+    short, groups = [], []
     row = 0
     for s in slices:
-        positions = torch.arange(s.num_cached, s.num_cached + s.num_new)
-        slot_parts.append(slots_for_positions(s.block_table, positions, block_size))
         rows = torch.arange(row, row + s.num_new)
         # A tree always reads its keys back from the cache, with its own mask (_tree_visible).
         if s.num_cached == 0 and s.num_new > 1 and s.tree_parents is None:
@@ -122,7 +120,7 @@ def build_attention_metadata(
     if len(groups) == 1 and groups[0].valid is None:
         g = groups[0]
         g.whole_batch = torch.equal(g.query_index.flatten(), torch.arange(row))
-    slot_mapping = torch.cat(slot_parts) if slot_parts else torch.empty(0, dtype=torch.long)
+    slot_mapping = _new_token_slots(slices, block_size)
     groups = [_to_device(g, device) for g in groups]
     return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5)
 
@@ -160,10 +158,24 @@ def _fresh_prefill_group(rows: torch.Tensor, window: int | None) -> AttentionGro
     return AttentionGroup(rows[None], None, mask, None, rows)
 
 
+def _new_token_slots(slices: Sequence[SequenceSlice], block_size: int) -> torch.Tensor:
+    """[T] the cache slot of every new token, slice after slice: slot ``num_cached + i`` of
+    its sequence for new token i. Plain integer arithmetic, one tensor at the end: tensor
+    calls per slice cost about 45 microseconds a sequence, 0.7 ms a step at 16 sequences."""
+    slots = []
+    for s in slices:
+        table = s.block_table
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(s.num_cached, s.num_cached + s.num_new)]  # fmt: skip
+    return torch.tensor(slots, dtype=torch.long)
+
+
 def _cached_group(
     members: list[tuple[SequenceSlice, torch.Tensor]], block_size: int, window: int | None
 ) -> AttentionGroup:
     """A padded group whose queries read their keys back from the cache."""
+    if all(s.tree_parents is None for s, _ in members):
+        return _cached_chains_group(members, block_size, window)
     q_len = max(s.num_new for s, _ in members)
     kv_len = max(s.num_cached + s.num_new for s, _ in members)
     b = len(members)
@@ -191,6 +203,49 @@ def _cached_group(
     return AttentionGroup(
         query_index, kv_slots, mask, None if all_valid else valid.flatten(), output_rows
     )
+
+
+def _cached_chains_group(
+    members: list[tuple[SequenceSlice, torch.Tensor]], block_size: int, window: int | None
+) -> AttentionGroup:
+    """``_cached_group`` for members that are all chains (decode and verification steps),
+    built with a fixed number of tensor calls whatever the number of members. Same layout:
+    padding queries repeat the member's first row and see key 0 only; padding keys read
+    slot 0 and are never seen."""
+    new = [s.num_new for s, _ in members]
+    totals = [s.num_cached + s.num_new for s, _ in members]
+    firsts = [int(rows[0]) for _, rows in members]
+    q_len, kv_len = max(new), max(totals)
+    query_index = torch.tensor(
+        [[r + (j if j < n else 0) for j in range(q_len)] for r, n in zip(firsts, new, strict=True)]
+    )
+    output_rows = torch.tensor([r + j for r, n in zip(firsts, new, strict=True) for j in range(n)])
+    width = max(len(s.block_table) for s, _ in members)
+    tables = torch.tensor([list(s.block_table) + [0] * (width - len(s.block_table))
+                           for s, _ in members])  # fmt: skip
+    key_pos = torch.arange(kv_len)
+    kv_slots = tables[:, (key_pos // block_size).clamp_(max=width - 1)] * block_size
+    kv_slots += key_pos % block_size
+    if min(totals) < kv_len:
+        kv_slots.masked_fill_(key_pos >= torch.tensor(totals)[:, None], 0)
+    all_valid = min(new) == q_len
+    valid = None
+    if q_len == 1 and min(totals) == kv_len and window is None:
+        mask = None  # one query each over equally many keys: everything is seen
+    else:
+        query_pos = torch.tensor(
+            [[t - n + j for j in range(q_len)] for t, n in zip(totals, new, strict=True)]
+        )
+        seen = key_pos <= query_pos[:, :, None]
+        if window is not None:
+            seen &= key_pos > query_pos[:, :, None] - window
+        if not all_valid:
+            padding = torch.tensor([[j >= n for j in range(q_len)] for n in new])
+            seen.masked_fill_(padding[:, :, None], False)
+            seen[:, :, 0] |= padding  # padding rows see one key so softmax stays finite
+            valid = (~padding).flatten()
+        mask = None if bool(seen.all()) else seen[:, None]
+    return AttentionGroup(query_index, kv_slots, mask, valid, output_rows)
 
 
 def _to_device(g: AttentionGroup, device: torch.device) -> AttentionGroup:

@@ -77,3 +77,46 @@ def check_mixed_batch(shapes, D, cpu_kernel, fill):
         row += s.num_new
     # Every new token's K landed in its slot.
     assert torch.equal(k_cache[meta.slot_mapping], new_k)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_chain_groups_equal_the_same_runs_given_as_trees(window):
+    """Short chains get their group built for the whole batch at once; the per-sequence
+    builder that trees take must agree with it on chains written as trees (each token's parent
+    the token before): same queries, key slots, mask, padding and output rows."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        shapes = [
+            (
+                int(torch.randint(1, 40, (1,), generator=g)),
+                int(torch.randint(1, 6, (1,), generator=g)),
+            )
+            for _ in range(int(torch.randint(1, 7, (1,), generator=g)))
+        ]
+        if trial == 0:
+            shapes = [(12, 1), (12, 1)]  # equal decode rows: no mask at all
+        chains, trees, base = [], [], 100
+        for cached, new in shapes:
+            table = list(range(base, base + -(-(cached + new) // BS) + 1))  # one spare block
+            base += len(table)
+            chains.append(SequenceSlice(cached, new, table))
+            trees.append(SequenceSlice(cached, new, table, list(range(-1, new - 1))))
+        got = build_attention_metadata(chains, BS, 8, "cpu", window)
+        want = build_attention_metadata(trees, BS, 8, "cpu", window)
+        assert torch.equal(got.slot_mapping, want.slot_mapping)
+        (a,), (b,) = got.groups, want.groups
+        assert torch.equal(a.query_index, b.query_index) and torch.equal(a.kv_slots, b.kv_slots)
+        assert torch.equal(a.output_rows, b.output_rows) and a.whole_batch == b.whole_batch
+
+        assert torch.equal(_dense_mask(a), _dense_mask(b))
+        assert (a.valid is None) == (b.valid is None)
+        assert a.valid is None or torch.equal(a.valid, b.valid)
+        if trial == 0 and window is None:
+            assert a.mask is None
+
+
+def _dense_mask(group) -> torch.Tensor:
+    """The group's mask, all True where it has none."""
+    b, q = group.query_index.shape
+    shape = (b, 1, q, group.kv_slots.shape[1])
+    return torch.ones(shape, dtype=torch.bool) if group.mask is None else group.mask
