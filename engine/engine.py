@@ -161,7 +161,9 @@ class Engine:
         sched = self.config.scheduler
         largest = min(sched.max_num_batched_tokens,
                       sched.max_num_seqs * (1 + config.num_speculative_tokens))  # fmt: skip
-        return lambda: time_forward_steps(self.runner, self.block_manager, largest)
+        return lambda: time_forward_steps(
+            self.runner, self.block_manager, largest, max_model_len=self.max_model_len
+        )
 
     def calibrate_step_costs(self) -> None:
         """Measure now what the goodput policy would measure before its first choice (the

@@ -23,7 +23,12 @@ from engine.model_runner import ForwardItem, ModelRunner
 # Step sizes timed; the policy interpolates between them and extends past the last.
 STEP_SIZES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 LONG_SIZES = (1, 4, 16)
-LONG_CONTEXT = 256
+# The cost of a key is a small difference of two step times (at 256 keys a third of a
+# millisecond in a 3 ms step on a 2-core VM), so it is measured far out and more often: at
+# 256 keys and two repeats, calibrations read 2.4-2.9 us per key where interleaved best-of-15
+# timings gave 1.5-1.75, and the policy priced a draft's attention 1.5x too high.
+LONG_CONTEXT = 512
+LONG_REPEATS = 4
 # A process just loaded runs its first steps 15-30% slower for a while (measured on a 2-core
 # VM: 3.3-3.7 ms against 2.8-2.9 ms for one token). Timed inside that while, size 1 looked so
 # slow that a 2-token step seemed 0.95-1.09x one token where it is 1.15-1.20x, and the policy
@@ -89,14 +94,21 @@ def _timings(
 
 
 def time_forward_steps(
-    runner: ModelRunner, block_manager: BlockManager, max_tokens: int, repeats: int = 2
+    runner: ModelRunner,
+    block_manager: BlockManager,
+    max_tokens: int,
+    repeats: int = 2,
+    max_model_len: int | None = None,
 ) -> StepTimings:
     """The policy's calibration: step sizes up to ``max_tokens`` (of STEP_SIZES) at a short
-    context, LONG_SIZES at LONG_CONTEXT keys; the fastest of ``repeats`` after a warm-up."""
+    context, LONG_SIZES at LONG_CONTEXT keys (fewer where ``max_model_len`` is shorter); the
+    fastest of ``repeats`` (LONG_REPEATS far out) after a warm-up."""
     short_context = block_manager.block_size - 1
+    long_context = LONG_CONTEXT if max_model_len is None else min(LONG_CONTEXT, max_model_len - 1)
     sizes = [n for n in STEP_SIZES if n <= max_tokens]
     short = _timings(runner, block_manager, sizes, short_context, repeats, WARM_UP_SECONDS)
+    long_sizes = [n for n in LONG_SIZES if n <= max_tokens]
     long = _timings(
-        runner, block_manager, [n for n in LONG_SIZES if n <= max_tokens], LONG_CONTEXT, repeats
+        runner, block_manager, long_sizes, long_context, max(repeats, LONG_REPEATS), WARM_UP_SECONDS
     )
-    return StepTimings(short, short_context, long, LONG_CONTEXT)
+    return StepTimings(short, short_context, long, long_context)
