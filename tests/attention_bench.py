@@ -1,11 +1,11 @@
-"""Time the paged-attention kernel as a batch-16 decode step uses it (not a test).
+"""Time the paged-attention kernel as a decode step uses it (not a test).
 
-    python -m tests.attention_bench --keys 101 512
+    python -m tests.attention_bench --keys 101 512 [--sequences 16]
 
-Sixteen sequences, one query each, SmolLM2's heads (9 query heads over 3 KV heads of 64), the
-keys of each sequence in consecutive slots, and 30 layers' caches so the keys come from memory
-as they do in a step. Prints the fastest of 7 rounds of 5 steps, and the largest difference
-from SDPA on the gathered keys.
+Sixteen sequences (or ``--sequences``), one query each, SmolLM2's heads (9 query heads over
+3 KV heads of 64), the keys of each sequence in consecutive slots, and 30 layers' caches so the
+keys come from memory as they do in a step. Prints the fastest of 7 rounds of 5 steps, and the
+largest difference from SDPA on the gathered keys.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ import torch.nn.functional as F
 
 from engine.kernels.build import load_kernels
 
-SEQUENCES, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 9, 3, 64, 30
+HEADS, KV_HEADS, HEAD_DIM, LAYERS = 9, 3, 64, 30
 
 
-def time_step(keys: int) -> tuple[float, float]:
+def time_step(keys: int, sequences: int = 16) -> tuple[float, float]:
     """(seconds per step of 30 layers, max abs difference from SDPA)."""
     torch.manual_seed(0)
-    slots_per_layer = SEQUENCES * 1024
+    slots_per_layer = sequences * 1024
     k_caches = [torch.randn(slots_per_layer, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
     v_caches = [torch.randn(slots_per_layer, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
-    q = torch.randn(SEQUENCES, HEADS, HEAD_DIM)
-    query_index = torch.arange(SEQUENCES).view(SEQUENCES, 1)
-    slots = torch.stack([torch.arange(keys) + 1024 * i for i in range(SEQUENCES)])
+    q = torch.randn(sequences, HEADS, HEAD_DIM)
+    query_index = torch.arange(sequences).view(sequences, 1)
+    slots = torch.stack([torch.arange(keys) + 1024 * i for i in range(sequences)])
     out = torch.empty_like(q)
     scale = HEAD_DIM**-0.5
 
@@ -57,14 +57,15 @@ def time_step(keys: int) -> tuple[float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, nargs="+", default=[101, 512])
+    parser.add_argument("--sequences", type=int, default=16)
     args = parser.parse_args()
     if not load_kernels():
         raise SystemExit("the C++ kernels did not build on this machine")
     print(f"torch threads {torch.get_num_threads()}")
     for keys in args.keys:
-        seconds, error = time_step(keys)
+        seconds, error = time_step(keys, args.sequences)
         print(
-            f"{keys} keys: {seconds * 1e3:.2f} ms per step of {LAYERS} layers "
+            f"{args.sequences} x {keys} keys: {seconds * 1e3:.2f} ms per step of {LAYERS} layers "
             f"({seconds / LAYERS * 1e6:.0f} us per call), max diff from SDPA {error:.1e}"
         )
 

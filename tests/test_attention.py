@@ -16,7 +16,8 @@ def dense_reference(q, k, v, num_cached):
     """Causal attention of new queries over all keys of one sequence."""
     total = k.shape[0]
     mask = torch.arange(total)[None, :] <= torch.arange(num_cached, total)[:, None]
-    k, v = k.repeat_interleave(H // KVH, 1), v.repeat_interleave(H // KVH, 1)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
     )
@@ -44,26 +45,38 @@ def test_kernel_over_long_caches_never_reads_unwritten_slots(D):
     check_mixed_batch(shapes, D, cpu_kernel=True, fill=float("nan"))
 
 
-def check_mixed_batch(shapes, D, cpu_kernel, fill):
+# Query heads per KV head: 2 and 4 fill the kernel's value passes, 3 (SmolLM2's), 5 and 7 leave
+# a remainder that takes a narrower pass.
+@pytest.mark.parametrize("heads, kv_heads", [(3, 1), (9, 3), (5, 1), (7, 1), (8, 2)])
+def test_query_heads_sharing_a_kv_head_in_any_number(heads, kv_heads):
+    if not load_kernels():
+        pytest.skip("no C++ kernels on this machine")
+    check_mixed_batch(
+        [(9, 1), (5, 4), (31, 1), (3, 2)], 64, True, fill=0.0, heads=(heads, kv_heads)
+    )
+
+
+def check_mixed_batch(shapes, D, cpu_kernel, fill, heads=(H, KVH)):
+    num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(0)
     num_blocks = 96
-    k_cache = torch.full((num_blocks * BS, KVH, D), fill)
-    v_cache = torch.full((num_blocks * BS, KVH, D), fill)
+    k_cache = torch.full((num_blocks * BS, num_kv_heads, D), fill)
+    v_cache = torch.full((num_blocks * BS, num_kv_heads, D), fill)
     # Block 0 stays unused: padded key lists point at slot 0, which then holds `fill`.
     free = [b for b in torch.randperm(num_blocks, generator=g).tolist() if b != 0]
     slices, full_k, full_v, queries = [], [], [], []
     for cached, new in shapes:
         total = cached + new
         table = [free.pop() for _ in range(-(-total // BS))]
-        k = torch.randn(total, KVH, D, generator=g)
-        v = torch.randn(total, KVH, D, generator=g)
+        k = torch.randn(total, num_kv_heads, D, generator=g)
+        v = torch.randn(total, num_kv_heads, D, generator=g)
         for pos in range(cached):  # what earlier steps left in the cache
             slot = table[pos // BS] * BS + pos % BS
             k_cache[slot], v_cache[slot] = k[pos], v[pos]
         slices.append(SequenceSlice(cached, new, table))
         full_k.append(k)
         full_v.append(v)
-        queries.append(torch.randn(new, H, D, generator=g))
+        queries.append(torch.randn(new, num_heads, D, generator=g))
     meta = build_attention_metadata(slices, BS, D, "cpu")
     new_k = torch.cat([k[s.num_cached :] for k, s in zip(full_k, slices, strict=True)])
     new_v = torch.cat([v[s.num_cached :] for v, s in zip(full_v, slices, strict=True)])

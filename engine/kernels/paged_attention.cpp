@@ -196,6 +196,17 @@ __attribute__((always_inline)) inline void weigh_values_grouped(const float* p, 
   int64_t h = 0;
   for (; h + G <= group; h += G)
     weigh_values<V, N, G>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * D);
+  // The rest in one pass where it fits (SmolLM2: 3 query heads per KV head, G = 4): a pass
+  // per head would read every value row again for each.
+  const int64_t rest = group - h;
+  if (rest == 3 && G > 3) {
+    weigh_values<V, N, 3>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * D);
+    return;
+  }
+  if (rest == 2 && G > 2) {
+    weigh_values<V, N, 2>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * D);
+    return;
+  }
   for (; h < group; ++h)
     weigh_values<V, N, 1>(p + h * L, v_cache, slots, visible, kv_heads, kvh, L, out + h * D);
 }
