@@ -160,11 +160,14 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
         Variant("hierarchical", {**draft(), "method": "hierarchical", "hierarchical": {}}),
         # The trained heads shipped for the model (engine/drafters/); k is the tree's nodes.
         Variant("medusa", {"method": "medusa"}),
+        Variant("medusa-k1", {"method": "medusa", "num_speculative_tokens": 1}),
         Variant("hydra", {"method": "hydra"}),
+        Variant("hydra-k1", {"method": "hydra", "num_speculative_tokens": 1}),
         Variant("hydra-k2", {"method": "hydra", "num_speculative_tokens": 2}),
         Variant("hydra-k8", {"method": "hydra", "num_speculative_tokens": 8}),
         # The EAGLE drafter shipped for the model; k is the chain's length.
         Variant("eagle", {"method": "eagle"}),
+        Variant("eagle-k1", {"method": "eagle", "num_speculative_tokens": 1}),
         Variant("eagle-k2", {"method": "eagle", "num_speculative_tokens": 2}),
         Variant("eagle-k3", {"method": "eagle", "num_speculative_tokens": 3}),
         # EAGLE-2's dynamic trees: k is the tree's nodes, expanding the top 2 or 4 per depth.
@@ -175,8 +178,10 @@ def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant
         ),
         # The Kangaroo adapter shipped for the model; chains stop below its exit threshold.
         Variant("kangaroo", {"method": "kangaroo"}),
+        Variant("kangaroo-k1", {"method": "kangaroo", "num_speculative_tokens": 1}),
         Variant("kangaroo-k2", {"method": "kangaroo", "num_speculative_tokens": 2}),
         # The goodput policy picks each step's draft length (0 included) up to k.
+        Variant("medusa-goodput", {"method": "medusa", "draft_policy": "goodput"}),
         Variant("hydra-goodput", {"method": "hydra", "draft_policy": "goodput"}),
         Variant("eagle-goodput", {"method": "eagle", "draft_policy": "goodput"}),
         Variant("kangaroo-goodput", {"method": "kangaroo", "draft_policy": "goodput"}),

@@ -80,6 +80,9 @@ def describe(config: DecoderConfig) -> str:
         drafter = getattr(config, config.method).drafter
         chain = config.method in ("eagle", "kangaroo")
         shape = "chain of up to k drafts" if chain else "tree of k nodes"
+        if config.method == "eagle" and config.eagle.tree_top_k:
+            top_k, depth = config.eagle.tree_top_k, config.eagle.tree_depth
+            shape = f"dynamic tree of k nodes (top {top_k} per depth, {depth} deep)"
         parts.append(f"drafter {drafter or 'shipped for the model'}, {shape}")
         if config.method == "kangaroo":
             parts.append(f"exit threshold {config.kangaroo.exit_threshold}")
