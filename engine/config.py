@@ -72,8 +72,8 @@ class TrainedDrafterConfig(_Strict):
     """A trained decoder's drafter (``medusa``, ``hydra``, ``eagle``, ``kangaroo``): a
     directory that ``specserve train KIND`` writes (None takes the drafter shipped for the
     model, if one is), and the precision its own projections run at: int8 weights (per
-    channel; a quarter of float32's bytes per draft) or as trained (none). Drafts only set
-    the speed: output is exact either way."""
+    channel; a quarter of float32's bytes per draft) or unquantized in the model's dtype
+    (none: float32 on the CPU). Drafts only set the speed: output is exact either way."""
 
     drafter: str | None = None
     quantization: Literal["none", "int8"] = "int8"

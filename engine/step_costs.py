@@ -97,14 +97,14 @@ def time_forward_steps(
     runner: ModelRunner,
     block_manager: BlockManager,
     max_tokens: int,
+    max_model_len: int,
     repeats: int = 2,
-    max_model_len: int | None = None,
 ) -> StepTimings:
     """The policy's calibration: step sizes up to ``max_tokens`` (of STEP_SIZES) at a short
     context, LONG_SIZES at LONG_CONTEXT keys (fewer where ``max_model_len`` is shorter); the
     fastest of ``repeats`` (LONG_REPEATS far out) after a warm-up."""
     short_context = block_manager.block_size - 1
-    long_context = LONG_CONTEXT if max_model_len is None else min(LONG_CONTEXT, max_model_len - 1)
+    long_context = min(LONG_CONTEXT, max_model_len - 1)  # the model's positions end there
     sizes = [n for n in STEP_SIZES if n <= max_tokens]
     short = _timings(runner, block_manager, sizes, short_context, repeats, WARM_UP_SECONDS)
     long_sizes = [n for n in LONG_SIZES if n <= max_tokens]

@@ -45,9 +45,11 @@ def test_kernel_over_long_caches_never_reads_unwritten_slots(D):
     check_mixed_batch(shapes, D, cpu_kernel=True, fill=float("nan"))
 
 
-# Query heads per KV head: 2 and 4 fill the kernel's value passes, 3 (SmolLM2's), 5 and 7 leave
-# a remainder that takes a narrower pass.
-@pytest.mark.parametrize("heads, kv_heads", [(3, 1), (9, 3), (5, 1), (7, 1), (8, 2)])
+# Query heads per KV head: 4 and 8 fill the kernel's 64-wide value passes; 2, 3 (SmolLM2's), 5, 6
+# and 7 leave a remainder that takes one narrower pass (or single heads).
+@pytest.mark.parametrize(
+    "heads, kv_heads", [(3, 1), (9, 3), (5, 1), (6, 1), (7, 1), (8, 2), (4, 1)]
+)
 def test_query_heads_sharing_a_kv_head_in_any_number(heads, kv_heads):
     if not load_kernels():
         pytest.skip("no C++ kernels on this machine")

@@ -33,18 +33,27 @@ def _drafter_dir(kind, model_dir, path):
     return save_kangaroo_drafter(model_dir, path, draft_vocab=part)
 
 
-def _first_round(kind, model_dir, drafter_dir) -> dict:
+def _first_round(kind, model_dir, drafter_dir) -> tuple[dict, list[bool]]:
+    """The proposals of one drafting round, and the ``compact`` flag of each forward call."""
     options = {"drafter": str(drafter_dir)}
     if kind == "kangaroo":
         options["exit_threshold"] = 0.0  # draft the whole grant
     decoder = {"method": kind, kind: options, "draft_policy": "fixed"}
     engine = LLM(model=str(model_dir), decoder=decoder).engine
     drafter = engine.speculator.decoders[kind].drafter
+    forward, compact = drafter.forward, []
+
+    def spy(seqs, chains, num_logits, **options):
+        compact.append(options.get("compact", False))
+        return forward(seqs, chains, num_logits, **options)
+
+    drafter.forward = spy
     for i, (prompt, params) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         engine.add_request(f"r{i}", prompt, params)
     engine.step()  # prefill (and the target's features for eagle)
     seqs = list(engine.scheduler.running)
-    return {s.request_id: (s, p) for s, p in drafter.draft(seqs, {s: 3 for s in seqs}).items()}
+    proposals = drafter.draft(seqs, {s: 3 for s in seqs})
+    return {s.request_id: (s, p) for s, p in proposals.items()}, compact
 
 
 @pytest.mark.parametrize("kind", ["eagle", "kangaroo"])
@@ -52,11 +61,13 @@ def test_draft_vocabulary_steps_draft_what_whole_vocabulary_steps_draft(
     kind, tiny_model_dir, tmp_path, monkeypatch
 ):
     drafter_dir = _drafter_dir(kind, tiny_model_dir, tmp_path / "d")
-    compact = _first_round(kind, tiny_model_dir, drafter_dir)
+    compact, calls = _first_round(kind, tiny_model_dir, drafter_dir)
+    assert calls and all(calls)  # every draft step took the draft-vocabulary path
     # Rows that seem to need processing take the whole-vocabulary path (processing changes
     # nothing here, so the two paths must agree).
     monkeypatch.setattr("engine.decoders.drafting.needs_processing", lambda row: True)
-    whole = _first_round(kind, tiny_model_dir, drafter_dir)
+    whole, calls = _first_round(kind, tiny_model_dir, drafter_dir)
+    assert calls and not any(calls)
     assert compact.keys() == whole.keys() == {"r0", "r1", "r2"}
     for request_id, (seq, got) in compact.items():
         want = whole[request_id][1]

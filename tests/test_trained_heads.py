@@ -102,8 +102,8 @@ def test_greedy_equals_autoregressive_batched_preempted_and_aborted(
 def test_the_engine_runs_each_head_as_trained(
     kind, tiny_model_dir, tmp_path, quantization, tolerance
 ):
-    """The decoder's projections (int8 by default, float32 with ``none``) compute each head's
-    trained function: head j's own weights, its own inputs."""
+    """The decoder's projections (int8 by default, the model's float32 with ``none``) compute
+    each head's trained function: head j's own weights, its own inputs."""
     drafter = save_heads_drafter(tiny_model_dir, tmp_path / "d", kind, scale=0.2)
     decoder_config = {"method": kind, kind: {"drafter": str(drafter), "quantization": quantization}}
     decoder = LLM(model=str(tiny_model_dir), decoder=decoder_config).engine.speculator.decoders[

@@ -71,15 +71,23 @@ class ModelDrafter:
     """Drafts chains with ``runner``'s model; see the module docstring for the cache modes."""
 
     # Drafters that can only propose a draft vocabulary (the trained ones: a readout of a few
-    # thousand LM-head rows) set its token ids here, ascending, with the full vocabulary's
-    # size, and return scores over just those columns from ``forward(..., compact=True)``.
-    # Where no row's logits need processing (greedy or plain sampling, no penalties, bias,
-    # filters or constraints: the usual request) a draft step then never touches a
-    # whole-vocabulary row, which at batch 1 cost more than the drafter's products. The
-    # result is the same: the other columns are -inf, so they add nothing to a softmax, its
-    # entropy or its top, and with ascending ids an argmax keeps its first-of-equals choice.
+    # thousand LM-head rows) declare it with ``set_draft_vocabulary`` and return scores over
+    # just those columns from ``forward(..., compact=True)``. Where no row's logits need
+    # processing (greedy or plain sampling, no penalties, bias, filters or constraints: the
+    # usual request) a draft step then never touches a whole-vocabulary row, which at batch 1
+    # cost more than the drafter's products. The other columns are -inf, so they add nothing
+    # to a softmax, its entropy or its top: greedy drafts are the same tokens (ascending ids
+    # keep an argmax's first-of-equals choice), and a sampled draft is drawn from the same q,
+    # its probabilities equal up to float rounding (sums over a shorter row).
     draft_vocab: torch.Tensor | None = None
     vocab_size: int = 0
+
+    def set_draft_vocabulary(self, token_ids: torch.Tensor, vocab_size: int) -> None:
+        """The only tokens this drafter can propose (any order; kept ascending), out of a
+        vocabulary of ``vocab_size``."""
+        if len(token_ids) == 0 or int(token_ids.max()) >= vocab_size or int(token_ids.min()) < 0:
+            raise ValueError(f"a draft vocabulary must be ids in [0, {vocab_size})")
+        self.draft_vocab, self.vocab_size = token_ids.sort().values, vocab_size
 
     def __init__(
         self,

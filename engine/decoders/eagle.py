@@ -198,10 +198,8 @@ class EagleDrafter(ModelDrafter):
             projection(network.gate_up),
             projection(network.down),
         )
-        # Ascending ids, so compact scores keep an argmax's first-of-equals choice.
-        self.draft_vocab = draft_vocab.sort().values.to(self.device)
-        self.vocab_size = arch.vocab_size
-        self.readout = build_readout(self.model, self.draft_vocab)
+        self.set_draft_vocabulary(draft_vocab.to(self.device), arch.vocab_size)
+        self.readout = build_readout(self.model, self.draft_vocab)  # rows in the same order
         cache = target.kv_cache
         self.kv_cache = KVCache(
             1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim, dtype,

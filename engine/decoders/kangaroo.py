@@ -149,7 +149,7 @@ class KangarooRunner(ModelRunner):
             None, None, None,
         )  # fmt: skip
         self.output_norm = norm(adapter.output_norm)
-        # Ascending ids, so compact scores keep an argmax's first-of-equals choice.
+        # Ascending ids, the order ModelDrafter keeps: compact scores index the same columns.
         draft_vocab = draft_vocab.sort().values.to(device)
         self.head = DraftVocabularyHead(
             build_readout(model, draft_vocab), draft_vocab, arch.vocab_size
@@ -202,7 +202,7 @@ def build_kangaroo_decoder(config: DecoderConfig, target: TargetContext) -> Kang
     drafter = load_drafter(spec.drafter, "kangaroo", KangarooAdapter, target.model)
     runner = KangarooRunner(drafter.network, drafter.draft_vocab, target, spec.quantization)
     window = ConfidenceExit(spec.exit_threshold)
-    drafter = ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False)
+    model_drafter = ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False)
     # The head reads out the draft vocabulary alone: unprocessed steps draft over its columns.
-    drafter.draft_vocab, drafter.vocab_size = runner.head.draft_vocab, runner.head.vocab_size
-    return KangarooDecoder(drafter)
+    model_drafter.set_draft_vocabulary(runner.head.draft_vocab, runner.head.vocab_size)
+    return KangarooDecoder(model_drafter)

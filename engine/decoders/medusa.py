@@ -47,9 +47,11 @@ class MedusaDecoder(TrainedHeadsDecoder, Decoder):
         if not seqs:
             return {}
         normed = self.normed_features(seqs)
+        # Only the heads the granted tree reaches (one draft: head 1 alone).
+        depth = max(len(path) for path in self.tree[: max(num_drafts[s] for s in seqs)])
         guesses = torch.stack(
-            [self.heads.block(j, normed, block) for j, block in enumerate(self.blocks)]
-        )  # [heads, B, d]
+            [self.heads.block(j, normed, block) for j, block in enumerate(self.blocks[:depth])]
+        )  # [heads used, B, d]
         heads, batch, width = guesses.shape
         top = self.top_candidates(guesses.reshape(heads * batch, width))  # [head * B + b][i]
         return self.proposals(seqs, num_drafts, lambda b, p: top[(len(p) - 1) * batch + b][p[-1]])

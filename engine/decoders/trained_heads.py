@@ -92,7 +92,8 @@ def head_projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
 ) -> nn.Module:
     """A head's trained projection as the engine runs it: int8 in the kernels' layout (the
-    drafter's own precision; drafts only set the speed) or as trained (``none``)."""
+    drafter's own precision; drafts only set the speed) or unquantized in the model's dtype
+    (``none``)."""
     dtype = model.dtype
     weight = weight.detach().to(dtype)
     bias = None if bias is None else bias.detach().to(dtype)
