@@ -125,6 +125,24 @@ def load_drafter(path: str | None, kind: str, network_class: type, model) -> Tra
     return drafter
 
 
+def drafter_projection(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
+) -> nn.Module:
+    """A trained drafter's own projection as the engine runs it, on the model's device and in
+    its dtype: int8 in the kernels' layout (``quantization: int8``; drafts only set the speed)
+    or unquantized (``none``)."""
+    device, dtype = model.final_norm.device, model.dtype
+    weight = weight.detach().to(device=device, dtype=dtype)
+    bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
+    if quantization == "int8":
+        from engine.models.draft_copies import quantized_dense
+
+        return quantized_dense(weight, bias, "int8", model)
+    from engine.models.linear import Linear
+
+    return Linear(weight, bias, pack=True)
+
+
 def build_readout(model, draft_vocab: torch.Tensor) -> nn.Module:
     """The target's LM head rows of the draft vocabulary, int8."""
     from engine.models.draft_copies import dense_weight, quantized_dense

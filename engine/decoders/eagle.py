@@ -33,14 +33,12 @@ from torch.nn import functional as F
 
 from engine.attention import SequenceSlice, build_attention_metadata
 from engine.decoders.base import Proposal, TargetContext
-from engine.decoders.drafter_files import build_readout, load_drafter
+from engine.decoders.drafter_files import build_readout, drafter_projection, load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle_tree import draft_tree
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
-from engine.models.draft_copies import quantized_dense
-from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, rms_norm
 from engine.models.rope import rotate
 
@@ -179,11 +177,7 @@ class EagleDrafter(ModelDrafter):
         dtype = self.model.dtype
 
         def projection(linear: nn.Linear) -> nn.Module:
-            weight = linear.weight.detach().to(device=self.device, dtype=dtype)
-            bias = None if linear.bias is None else linear.bias.detach().to(self.device, dtype)
-            if quantization == "int8":
-                return quantized_dense(weight, bias, "int8", self.model)
-            return Linear(weight, bias, pack=True)
+            return drafter_projection(linear.weight, linear.bias, quantization, self.model)
 
         def norm(weight: torch.Tensor) -> torch.Tensor:
             return weight.detach().to(device=self.device, dtype=dtype)

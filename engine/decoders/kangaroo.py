@@ -23,13 +23,11 @@ import torch
 from torch import nn
 
 from engine.decoders.base import TargetContext
-from engine.decoders.drafter_files import build_readout, load_drafter
+from engine.decoders.drafter_files import build_readout, drafter_projection, load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
-from engine.models.draft_copies import quantized_dense
-from engine.models.linear import Linear
 from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
 from engine.models.rope import rotate
 
@@ -124,10 +122,7 @@ class KangarooRunner(ModelRunner):
         dtype, device = model.dtype, torch.device(target.device)
 
         def projection(linear: nn.Linear) -> nn.Module:
-            weight = linear.weight.detach().to(device=device, dtype=dtype)
-            if quantization == "int8":
-                return quantized_dense(weight, None, "int8", model)
-            return Linear(weight, None, pack=True)
+            return drafter_projection(linear.weight, None, quantization, model)
 
         def norm(weight: torch.Tensor) -> torch.Tensor:
             return weight.detach().to(device=device, dtype=dtype)

@@ -17,9 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.decoders.base import Proposal
-from engine.decoders.drafter_files import TrainedDrafter
-from engine.models.draft_copies import quantized_dense
-from engine.models.linear import Linear
+from engine.decoders.drafter_files import TrainedDrafter, drafter_projection
 from engine.models.llama import rms_norm
 
 # Candidate paths kept in a tree ranking (more than any sensible k).
@@ -91,15 +89,9 @@ class _HeadProjection(nn.Module):
 def head_projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
 ) -> nn.Module:
-    """A head's trained projection as the engine runs it: int8 in the kernels' layout (the
-    drafter's own precision; drafts only set the speed) or unquantized in the model's dtype
-    (``none``)."""
-    dtype = model.dtype
-    weight = weight.detach().to(dtype)
-    bias = None if bias is None else bias.detach().to(dtype)
-    if quantization == "int8":
-        return _HeadProjection(quantized_dense(weight, bias, "int8", model), dtype)
-    return _HeadProjection(Linear(weight, bias, pack=True), dtype)
+    """A head's trained projection as the engine runs it (``drafter_projection``), taking
+    and returning the heads' float32."""
+    return _HeadProjection(drafter_projection(weight, bias, quantization, model), model.dtype)
 
 
 class TrainedHeadsDecoder:
