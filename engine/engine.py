@@ -186,8 +186,14 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         speculative: SpeculativeOptions | None = None,
+        return_hidden_states: bool = False,
     ) -> None:
-        """Queue a request; raises ValueError for input the engine cannot serve."""
+        """Queue a request; raises ValueError for input the engine cannot serve.
+
+        ``return_hidden_states`` captures the target's last-layer hidden state (before the
+        final norm) at every position the request feeds through the model, handed back with
+        its finished outputs (``CompletionOutput.hidden_states``); such a request decodes
+        autoregressively and takes no prefix-cache hits."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
@@ -196,6 +202,8 @@ class Engine:
                 f"speculative method {speculative.method!r} is not loaded; "
                 f"loaded: {', '.join(self.loaded_decoders)}"
             )
+        if return_hidden_states:
+            self.validate_hidden_capture(speculative)
         request = Request(request_id, list(prompt_token_ids), params)
         states = self._constraint_states(params)
         for i in range(params.n):
@@ -208,12 +216,25 @@ class Engine:
                 generator=make_generator(seed),
                 speculative=speculative,
                 wants_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
+                hidden_chunks=[] if return_hidden_states else None,
                 banned=None if states is None else states[i][1],
             )
             request.seqs.append(seq)
         self.scheduler.add(request.seqs[0])
         request.held_back = request.seqs[1:]
         self.requests[request_id] = request
+
+    def validate_hidden_capture(self, speculative: SpeculativeOptions | None) -> None:
+        """ValueError unless requests with these options decode autoregressively, the path
+        on which hidden states are captured (a verification pass also runs the rows of drafts
+        that are then rejected)."""
+        spec = self.speculator
+        method = speculative.method if speculative is not None else None
+        if spec is not None and spec.decoders.get(method or spec.default_method) is not None:
+            raise ValueError(
+                "hidden states are captured on the autoregressive path only: ask for "
+                "speculative method 'autoregressive'"
+            )
 
     def _constraint_states(self, params: SamplingParams) -> list[tuple] | None:
         """Per sequence of a constrained request: (the state that masks its logits, its banned
@@ -340,7 +361,9 @@ class Engine:
             emitted = [(seq, [token]) for seq, token in zip(rows, sampled, strict=True)]
             sources = {seq: [PLAIN] for seq in rows if seq.sampling_params.return_provenance}
             if hidden is not None:
-                spec.hand_out_features(hidden, scheduled, {}, {})
+                _capture_hidden(hidden, scheduled, items)
+                if spec is not None and spec.needs_target_hidden(scheduled):
+                    spec.hand_out_features(hidden, scheduled, {}, {})
             if spec is not None:  # the step as the policy weighs it: forward and sampling
                 spec.observe_forward(items, time.perf_counter() - started, drafted=False)
         else:
@@ -349,6 +372,8 @@ class Engine:
             started = time.perf_counter()
             logits, hidden = self._forward(items, scheduled)
             self._record_prompt_logprobs(wanted)
+            if hidden is not None:
+                _capture_hidden(hidden, scheduled, items)  # sequences that opted out of drafts
             emitted, accepted_drafts = self.speculator.verify(
                 logits, scheduled, completing, proposals, hidden
             )
@@ -365,9 +390,11 @@ class Engine:
 
     def _forward(self, items, scheduled) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The step's logits, and the last layer's hidden states of every token row when a
-        sequence of the step drafts with a decoder that reads them (else None)."""
+        sequence of the step drafts with a decoder that reads them or captures them (else
+        None)."""
         spec = self.speculator
-        if spec is None or not spec.needs_target_hidden(scheduled):
+        capture = any(s.seq.hidden_chunks is not None for s in scheduled)
+        if not capture and (spec is None or not spec.needs_target_hidden(scheduled)):
             return self.runner.run(items), None
         last = self.model.arch.num_layers - 1
         out = self.runner.forward(items, hidden_layer=last, all_hidden=True)
@@ -470,12 +497,24 @@ class Engine:
                     all_sources=seq.output_sources
                     if seq.sampling_params.return_provenance
                     else None,
+                    hidden_states=seq.hidden_states() if seq.is_finished else None,
                 )
                 for i, seq in enumerate(request.seqs)
             ],
             num_cached_prompt_tokens=request.seqs[0].num_prefix_hit_tokens,
             prompt_logprobs=_prompt_logprobs_of(request.seqs[0]),
         )
+
+
+def _capture_hidden(hidden: torch.Tensor, scheduled: list[ScheduledSequence], items) -> None:
+    """Keep the hidden-state rows of the sequences that capture them (one row per token of
+    the flattened batch, in item order)."""
+    row = 0
+    for s, item in zip(scheduled, items, strict=True):
+        n = len(item.token_ids)
+        if s.seq.hidden_chunks is not None:
+            s.seq.hidden_chunks.append((item.num_cached, hidden[row : row + n].float().clone()))
+        row += n
 
 
 def _report(seq: Sequence) -> int:

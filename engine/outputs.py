@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from engine.prompt_logprobs import PromptLogprob
 from engine.sampling import SampledToken
 
@@ -26,6 +28,9 @@ class CompletionOutput:
     all_logprobs: list[SampledToken] | None = None  # as all_token_ids
     text: str = ""  # filled by callers that detokenize (LLM, server)
     all_sources: list[str] | None = None  # as all_token_ids (engine.provenance), if asked
+    # Once finished, with return_hidden_states: [prompt + output tokens - 1, d], the target's
+    # last-layer hidden state (before the final norm) at each position that was fed.
+    hidden_states: torch.Tensor | None = None
 
     @property
     def sources(self) -> list[str] | None:

@@ -97,8 +97,9 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            # Cached tokens run no forward pass, so they would have no prompt logprobs.
-            hits = self.block_manager.allocate_prefix(seq, lookup=not seq.wants_prompt_logprobs)
+            # Cached tokens run no forward pass, so they would have no prompt logprobs (or
+            # hidden states).
+            hits = self.block_manager.allocate_prefix(seq, lookup=not seq.runs_every_prompt_token)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_append(seq, n):
                 self.block_manager.free(seq)  # give back the prefix-cache references
@@ -106,7 +107,7 @@ class Scheduler:
             self.block_manager.append_slots(seq, n)
             if seq.num_preemptions == 0:  # a recompute is not a prompt lookup
                 seq.num_prefix_hit_tokens = hits
-                if self.block_manager.enable_prefix_caching and not seq.wants_prompt_logprobs:
+                if self.block_manager.enable_prefix_caching and not seq.runs_every_prompt_token:
                     self.block_manager.stats.record(seq.num_prompt_tokens, hits)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

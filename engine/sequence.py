@@ -56,6 +56,11 @@ class Sequence:
     # The request's prompt logprobs are computed on this sequence (its first one), which is
     # therefore never admitted from the prefix cache; entry j is prompt token j + 1's.
     wants_prompt_logprobs: bool = False
+    # The target's last-layer hidden state of every position this sequence feeds through the
+    # model (LLM.generate(return_hidden_states=True): drafter training reads them from the
+    # generation instead of a second, teacher-forced pass): (first position, [rows, d]) per
+    # forward pass, in the order they ran; a recompute's rows replace the earlier ones.
+    hidden_chunks: list[tuple[int, torch.Tensor]] | None = None
     # Banned phrases (engine.constraints.banned): output tokens past ``banned.stable`` are held
     # back from the outputs until they can no longer be rewound.
     banned: BannedPhrasesState | None = None
@@ -81,6 +86,25 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def runs_every_prompt_token(self) -> bool:
+        """Whether every prompt position must run a forward pass (no prefix-cache hits):
+        their prompt logprobs or hidden states are asked for."""
+        return self.wants_prompt_logprobs or self.hidden_chunks is not None
+
+    def hidden_states(self) -> torch.Tensor | None:
+        """[num_tokens - 1, d]: the captured hidden state of each position that has been
+        fed (all but the last token), or None when not captured."""
+        if not self.hidden_chunks:
+            return None
+        width = self.hidden_chunks[0][1].shape[1]
+        # NaN where nothing ran (an aborted sequence's unfed positions)
+        out = torch.full((self.num_tokens - 1, width), float("nan"))
+        for first, rows in self.hidden_chunks:
+            rows = rows[: max(0, len(out) - first)]  # a rewind may have dropped positions
+            out[first : first + len(rows)] = rows
+        return out
 
     def prompt_logprob_positions(self, start: int, count: int) -> range:
         """The positions among ``start .. start + count - 1`` whose logits give a prompt

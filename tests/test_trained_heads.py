@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.trained_heads import rank_tree
 from engine.models.llama import rms_norm
-from engine.training.self_distillation import Answers, answer_features
+from engine.training.self_distillation import sequence_features
 from engine.training.train_heads import HEADS, HeadsTrainOptions, run_train_heads
 from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_heads_drafter
@@ -82,8 +82,7 @@ def test_the_decoder_reads_the_hidden_state_of_each_sequences_newest_token(
     for seq in engine.scheduler.running:
         tokens = list(seq.token_ids)
         # Teacher forcing: the row of the position before the newest token gave that token.
-        features, _, positions = answer_features(engine.model, Answers([tokens], [len(tokens) - 1]))
-        assert positions.tolist() == [len(tokens) - 2]
+        features = sequence_features(engine.model, [tokens])[0][len(tokens) - 2][None]
         arch = engine.model.arch
         stored = rms_norm(decoder._hidden[seq][None], engine.model.final_norm, arch.rms_norm_eps)
         torch.testing.assert_close(stored, features, atol=1e-4, rtol=1e-4)

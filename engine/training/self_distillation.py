@@ -3,9 +3,11 @@ them.
 
 A drafter is right when it guesses what the target would say next, so it learns from text the
 target wrote: each prompt is answered by our engine (batched; greedy by default, as the
-greedy output is what a lossless drafter must match most often), and one teacher-forced pass
-over prompt + answer gives the target's final-normed last-layer hidden state at every position
-(what a feature-level drafter reads when drafting).
+greedy output is what a lossless drafter must match most often), which also hands back the
+target's last-layer hidden state at every position it ran; final-normed, those are the
+features a feature-level drafter reads when drafting. (They used to come from a second,
+teacher-forced pass over prompt + answer, which took longer than answering; that pass remains
+for answers cached without their features, and for the hidden states of earlier layers.)
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from engine.sampling import SamplingParams
 
 @dataclass
 class Answers:
-    """Token ids of prompt + answer per conversation, and where each answer starts."""
+    """Token ids of prompt + answer per conversation, and where each answer starts; with the
+    target's final-normed features along them when the generation captured them."""
 
     sequences: list[list[int]]
     answer_starts: list[int]
+    features: list[torch.Tensor] | None = None  # per sequence [len, d], float16
 
     @property
     def num_answer_tokens(self) -> int:
@@ -40,21 +44,34 @@ def generate_answers(
     temperature: float,
     batch: int,
     progress=None,
+    with_features: bool = False,
 ) -> Answers:
     """Answer each prompt with ``llm``, ``batch`` at a time: a text is a user message (the chat
-    template applied), a list of token ids is the model's input as it is."""
+    template applied), a list of token ids is the model's input as it is. ``with_features``
+    keeps the target's features along each sequence, taken from the generation itself."""
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
-    sequences, starts = [], []
+    model = llm.engine.model
+    sequences, starts, features = [], [], []
     for first in range(0, len(prompts), batch):
         part = prompts[first : first + batch]
         inputs = [llm.render_chat([{"role": "user", "content": p}]) if isinstance(p, str) else p
                   for p in part]  # fmt: skip
-        for out in llm.generate(inputs, params):
+        for out in llm.generate(inputs, params, return_hidden_states=with_features):
             sequences.append(list(out.prompt_token_ids) + list(out.token_ids))
             starts.append(len(out.prompt_token_ids))
+            if with_features:
+                features.append(final_features(model, out.outputs[0].hidden_states))
         if progress is not None:
             progress(len(part))
-    return Answers(sequences, starts)
+    return Answers(sequences, starts, features if with_features else None)
+
+
+def final_features(model, hidden: torch.Tensor) -> torch.Tensor:
+    """[len, d] float16 features of a sequence from the [len - 1, d] last-layer hidden states
+    its generation fed through the model: final-normed, and zero at the last position, which
+    never ran (no drafter reads it: it would be the input for a token past the end)."""
+    normed = rms_norm(hidden.float(), model.final_norm.float(), model.arch.rms_norm_eps)
+    return torch.cat([normed, normed.new_zeros(1, normed.shape[1])]).half()
 
 
 ANSWERS_FILE = "answers.pt"
@@ -79,15 +96,18 @@ def cached_answers(llm, options, prompts: tuple[list, list]) -> dict[str, Answer
         if cached["options"] == wanted:
             print(f"answers: cached in {path}")
             return cached["answers"]
-    answers = {}
+    answers, splits = {}, {}
     for split, texts in zip(("train", "held_out"), prompts, strict=True):
         with progress_bar(len(texts), f"{split}: answering") as bar:
-            answers[split] = generate_answers(
+            a = generate_answers(
                 llm, texts, options.max_tokens, options.temperature, options.generation_batch,
-                bar.update,
+                bar.update, with_features=True,
             )  # fmt: skip
+        answers[split] = Answers(a.sequences, a.answer_starts)
+        splits[split] = FeatureSplit(a.sequences, a.answer_starts, a.features)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"options": wanted, "answers": answers}, path)
+    torch.save(splits, path.with_name(FEATURES_FILE))  # what cached_features looks for
     return answers
 
 
@@ -180,14 +200,13 @@ def answer_mask(split: FeatureSplit, index: list[int], width: int) -> torch.Tens
     return mask
 
 
-def answer_features(model, answers: Answers, batch_tokens: int = 4096, progress=None):
-    """[rows, d] final-normed last-layer hidden states, with each row's sequence index and
-    position: one row per position from each answer's last prompt token to its second-to-last
-    token (the positions whose next token is an answer token)."""
-    per_sequence = sequence_features(model, answers.sequences, batch_tokens, progress)
+def answer_features(split: FeatureSplit):
+    """[rows, d] features (as stored), with each row's sequence index and position: one row
+    per position from each answer's last prompt token to its second-to-last token (the
+    positions whose next token is an answer token)."""
     features, owners, where = [], [], []
-    for i, (tokens, start) in enumerate(zip(answers.sequences, answers.answer_starts, strict=True)):
-        features.append(per_sequence[i][start - 1 : len(tokens) - 1])
+    for i, (tokens, start) in enumerate(zip(split.sequences, split.starts, strict=True)):
+        features.append(split.features[i][start - 1 : len(tokens) - 1])
         owners += [i] * (len(tokens) - start)
         where += range(start - 1, len(tokens) - 1)
     return torch.cat(features), torch.tensor(owners), torch.tensor(where)

@@ -26,9 +26,8 @@ from engine.decoders.medusa import MedusaHeads
 from engine.decoders.trained_heads import rank_tree
 from engine.training.epochs import TrainingRun, train_epochs, write_drafter
 from engine.training.prompts import train_and_held_out
-from engine.training.self_distillation import answer_features, cached_answers, progress_bar
+from engine.training.self_distillation import answer_features, cached_answers, cached_features
 
-DATA_FILE = "data.pt"
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 
 
@@ -55,31 +54,22 @@ class HeadsTrainOptions:
 
 
 def _data(llm, options: HeadsTrainOptions) -> dict:
-    """Answers and the features along them for the training and held-out prompts; the
-    features are cached beside the answers, so ``--resume`` (or a second run) skips both."""
-    path = options.output / DATA_FILE
+    """Answers and the features along them for the training and held-out prompts, as rows of
+    the positions whose next token is an answer token; both are cached in the output
+    directory, so ``--resume`` (or a second run) skips them."""
     prompts = options.prompts or train_and_held_out(
         options.num_prompts, options.num_held_out, options.seed
     )
-    answers = cached_answers(llm, options, prompts)
-    if path.is_file():
-        data = torch.load(path, weights_only=False)
-        if all(data[k]["sequences"] == answers[k].sequences for k in answers):
-            print(f"features: cached in {path}")
-            return data
+    splits = cached_features(llm, options, cached_answers(llm, options, prompts))
     data = {}
-    for split, split_answers in answers.items():
-        with progress_bar(len(split_answers.sequences), f"{split}: hidden states") as bar:
-            features, owners, positions = answer_features(
-                llm.engine.model, split_answers, progress=bar.update
-            )
-        data[split] = {
-            "sequences": split_answers.sequences,
+    for name, split in splits.items():
+        features, owners, positions = answer_features(split)
+        data[name] = {
+            "sequences": split.sequences,
             "features": features.to(torch.float16),
             "owners": owners,
             "positions": positions,
         }
-    torch.save(data, path)
     return data
 
 
