@@ -513,7 +513,8 @@ def _capture_hidden(hidden: torch.Tensor, scheduled: list[ScheduledSequence], it
     for s, item in zip(scheduled, items, strict=True):
         n = len(item.token_ids)
         if s.seq.hidden_chunks is not None:
-            s.seq.hidden_chunks.append((item.num_cached, hidden[row : row + n].float().clone()))
+            rows = hidden[row : row + n].to("cpu", torch.float32, copy=True)  # not the step's
+            s.seq.hidden_chunks.append((item.num_cached, rows))
         row += n
 
 
