@@ -189,6 +189,15 @@ def measure(
             stop_server(proc)
 
 
+def served_model(url: str) -> str:
+    """The model id a running server answers to (its first in ``/v1/models``): a server
+    started by ``make serve`` serves the embedded model under its short name, one started
+    with ``--served-model-name`` under that."""
+    response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
 def run_serve_bench(
     model: str | None,
     config: str | None,
@@ -213,7 +222,7 @@ def run_serve_bench(
         "ITL p50/p90/p99 ms |\n|---|---|---|---|---|---|"
     )
     if url is not None:
-        ours = measure("specserve", None, url, "bench", spec, tokenizer, log_dir)
+        ours = measure("specserve", None, url, served_model(url), spec, tokenizer, log_dir)
     else:
         port = free_port()
         cmd = [

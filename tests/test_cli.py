@@ -97,6 +97,22 @@ def test_bench_serve_reports_percentiles(tiny_chat_model_dir, tmp_path):
     assert cells[4].count("/") == 2 and cells[5].count("/") == 2  # p50/p90/p99
 
 
+def test_bench_serve_measures_a_running_server_under_its_own_model_name(tiny_server):
+    # tiny_server answers to "tiny", not to the name the bench gives the servers it starts.
+    result = subprocess.run(
+        [
+            *SPECSERVE, "bench", "serve", "--url", tiny_server.url, "--no-baseline",
+            "--concurrency", "1", "--requests", "2", "--max-tokens", "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| specserve |"))
+    assert int(row.strip("|").split("|")[1]) > 0  # output tokens
+
+
 def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir):
     result = subprocess.run(
         [
