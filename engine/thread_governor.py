@@ -26,6 +26,10 @@ from pathlib import Path
 import torch
 
 CHECK_INTERVAL_S = 0.5
+# Steps are far shorter than this: a longer gap between two checks means the engine sat idle,
+# and what the neighbours did meanwhile (a benchmark client loading its tokenizer, say) says
+# little about the load the next steps meet. Such a window only starts a new one.
+IDLE_GAP_S = 2.0
 # Neighbours' load in cores is rounded to whole cores taken from us with these offsets: a
 # neighbour past half a core costs us a thread; under a quarter of a core it gives it back (the
 # gap keeps us from flapping).
@@ -124,6 +128,8 @@ class ThreadGovernor:
         wall = sample[0] - self._last[0]
         others = (sample[1] - self._last[1]) - (sample[2] - self._last[2])
         self._last = sample
+        if wall > IDLE_GAP_S:
+            return
         self.neighbour_cores = max(0.0, others / wall)
         fewer = self._threads_for(self.neighbour_cores, BUSY_NEIGHBOURS_CORES)
         more = self._threads_for(self.neighbour_cores, FREE_NEIGHBOURS_CORES)

@@ -60,6 +60,23 @@ def test_checks_at_most_every_interval(machine):
     assert governor.contended
 
 
+def test_load_seen_while_idle_is_not_acted_on(machine):
+    governor = ThreadGovernor(None)
+    # The engine idles while a neighbour is busy (a client starting up), then steps alone.
+    machine.run(5.0, ours=0.0, neighbours=1.0)
+    governor.tick()
+    assert governor.threads == 2
+    machine.run(0.6, ours=2.0, neighbours=0.0)
+    governor.tick()
+    assert governor.threads == 2
+    # A neighbour still busy once the engine works is seen at the next check.
+    machine.run(5.0, ours=0.0, neighbours=1.5)
+    governor.tick()
+    machine.run(0.6, ours=1.0, neighbours=1.5)
+    governor.tick()
+    assert governor.threads == 1
+
+
 def test_a_fixed_thread_count_is_kept(machine):
     governor = ThreadGovernor(2)
     assert not governor.adaptive
