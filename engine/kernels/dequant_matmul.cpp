@@ -1039,13 +1039,29 @@ bool isa_supported(const std::string& name) {
   return std::find(all.begin(), all.end(), name) != all.end();
 }
 
-// The instruction set of a name, and whether the name asks for the tiled product.
-Isa checked_isa(c10::string_view isa_name, bool* tiled) {
-  std::string name(isa_name);
-  TORCH_CHECK(isa_supported(name), "instruction set ", name, " is not available on this CPU");
-  const std::string suffix = "-tiled";
-  *tiled = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  return isa_by_name(*tiled ? name.substr(0, name.size() - suffix.size()) : name);
+// An instruction set as a product names it, and whether the name asks for the tiled product.
+struct NamedIsa {
+  std::string name;
+  Isa isa;
+  bool tiled;
+};
+
+// The instruction set of a name. The usable ones are resolved once: a decode step runs about
+// 120 products, and each one listed the CPU's instruction sets as strings to check its name.
+const NamedIsa& checked_isa(c10::string_view isa_name) {
+  static const std::vector<NamedIsa> usable = [] {
+    std::vector<NamedIsa> out;
+    const std::string suffix = "-tiled";
+    for (const std::string& name : available_isas()) {
+      const bool tiled = name.size() > suffix.size() &&
+                         name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+      out.push_back({name, isa_by_name(tiled ? name.substr(0, name.size() - suffix.size()) : name), tiled});
+    }
+    return out;
+  }();
+  for (const NamedIsa& named : usable)
+    if (c10::string_view(named.name) == isa_name) return named;
+  TORCH_CHECK(false, "instruction set ", std::string(isa_name), " is not available on this CPU");
 }
 
 WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins) {
@@ -1084,6 +1100,14 @@ WeightRows weight_rows(const at::Tensor& codes, const at::Tensor& scales, const 
   return w;
 }
 
+// A thread's scratch buffer of at least n floats, kept between products (they never nest):
+// each call allocated and zero-filled a fresh one, up to 24 KB per thread for K = 1536.
+float* scratch_floats(int64_t n) {
+  thread_local std::vector<float> buffer;
+  if (int64_t(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
 // Rows of W per parallel task: enough to amortise the task, few enough to balance two cores.
 constexpr int64_t kRowGrain = 16;
 
@@ -1092,8 +1116,9 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be 2-D float32");
   const WeightRows w = weight_rows(codes, scales, mins);
   TORCH_CHECK(x.size(1) == w.K, "x has ", x.size(1), " features, the weight ", w.K);
-  bool tiled_variant = false;
-  const Isa isa = checked_isa(isa_name, &tiled_variant);
+  const NamedIsa& named = checked_isa(isa_name);
+  const Isa& isa = named.isa;
+  const bool tiled_variant = named.tiled;
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), N = codes.size(0), K = w.K;
   at::Tensor y = at::empty({M, N}, xc.options());
@@ -1111,28 +1136,28 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
   const int64_t step = tiled ? 4 : one_row || few_rows ? kOneRowTile : 1;
   at::parallel_for(0, (N + step - 1) / step, std::max<int64_t>(kRowGrain / step, 1),
                    [&](int64_t begin, int64_t end) {
-    std::vector<float> row(4 * K);  // dequantized weight rows (or a row's scales), in L1
+    float* row = scratch_floats(4 * K);  // dequantized weight rows (or a tile's scales), in L1
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * step;
       if (tiled && n + 4 <= N) {
-        isa.tiled(w, n, xp, M, yp, N, row.data());
+        isa.tiled(w, n, xp, M, yp, N, row);
         continue;
       }
       if (one_row && n + kOneRowTile <= N) {
-        isa.one_row(w, n, xp, yp, row.data());
+        isa.one_row(w, n, xp, yp, row);
         continue;
       }
       if (few_rows && n + kOneRowTile <= N) {
-        isa.few_rows(w, n, xp, M, yp, N, row.data());
+        isa.few_rows(w, n, xp, M, yp, N, row);
         continue;
       }
       for (int64_t r = n; r < std::min(n + step, N); ++r) {
         if (fused) {
-          isa.fused(w, r, xp, M, yp + r, N, row.data());
+          isa.fused(w, r, xp, M, yp + r, N, row);
           continue;
         }
-        isa.dequant(w, r, row.data());
-        isa.dot(xp, M, K, row.data(), yp + r, N);
+        isa.dequant(w, r, row);
+        isa.dot(xp, M, K, row, yp + r, N);
       }
     }
   });
@@ -1142,8 +1167,7 @@ at::Tensor dequant_matmul(const at::Tensor& x, const at::Tensor& codes, const at
 at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                       c10::string_view isa_name) {
   const WeightRows w = weight_rows(codes, scales, mins);
-  bool tiled_variant = false;
-  const Isa isa = checked_isa(isa_name, &tiled_variant);
+  const Isa& isa = checked_isa(isa_name).isa;
   at::Tensor out = at::empty({codes.size(0), w.K}, codes.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
   at::parallel_for(0, codes.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
