@@ -89,14 +89,15 @@ def unrolled_outputs(network: EagleNetwork, rope, embeddings, features, depth: i
     """The drafter's outputs at each depth 1..``depth``, [depth][B, T, d]: depth s at position
     p reads token p and the depth s - 1 output at p - 1 (the target's feature at depth 1), and
     attends to the depth-1 entries up to p - s + 1 plus the entry of each depth t at
-    p - s + t (its own chain of guesses)."""
+    p - s + t (its own chain of guesses). ``features`` [B, T, d] is what depth 1 reads at each
+    position (the target's feature, or another drafter input such as EAGLE-3's fused layers)."""
     batch, width, d = embeddings.shape
     s_ = network.shape
     heads, groups = s_["num_heads"], s_["num_heads"] // s_["num_kv_heads"]
     scale = s_["head_dim"] ** -0.5
     previous = _shift(features)
     if noise:
-        previous = previous + torch.randn_like(previous) * noise * features.std()
+        previous = previous + torch.randn_like(previous) * noise * features.detach().std()
     keys, values, outputs = [], [], []
     for s in range(1, depth + 1):
         x = network.inputs(embeddings, previous).reshape(batch * width, d)
@@ -129,26 +130,31 @@ def unrolled_outputs(network: EagleNetwork, rope, embeddings, features, depth: i
     return outputs
 
 
-def _losses(outputs, features, readout, answer) -> list[torch.Tensor]:
+def _losses(outputs, features, readout, answer, regression: bool = True) -> list[torch.Tensor]:
     """Per depth, its weighted loss over the answer positions it can reach (depth s needs
-    s - 1 earlier positions)."""
+    s - 1 earlier positions). Without ``regression``, distillation alone (EAGLE-3's loss)."""
     teacher = torch.softmax(features @ readout.T, dim=-1)
     results = []
     for s, out in enumerate(outputs, start=1):
         mask = answer.clone()
         mask[:, : s - 1] = False
-        regression = F.smooth_l1_loss(out[mask], features[mask])
         log_q = torch.log_softmax(out[mask] @ readout.T, dim=-1)
         distillation = -(teacher[mask] * log_q).sum(-1).mean()
-        loss = regression + CLASSIFICATION_WEIGHT * distillation
+        if regression:
+            loss = (
+                F.smooth_l1_loss(out[mask], features[mask]) + CLASSIFICATION_WEIGHT * distillation
+            )
+        else:
+            loss = distillation
         results.append(loss * DEPTH_DECAY ** (s - 1))
     return results
 
 
 @torch.no_grad()
 def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, vocab, vocab_size,
-                        depth, top_k, batch=8) -> list[list[float]]:  # fmt: skip
-    """[depth][i]: how often the i-th candidate at each depth is the target's next token."""
+                        depth, top_k, batch=8, inputs_of=None) -> list[list[float]]:  # fmt: skip
+    """[depth][i]: how often the i-th candidate at each depth is the target's next token.
+    ``inputs_of(index, features)``: what depth 1 reads instead of the target's features."""
     hits = torch.zeros(depth, top_k)
     seen = torch.zeros(depth)
     # Readout row of each token; a token outside the draft vocabulary is a miss (row -2, never
@@ -159,7 +165,8 @@ def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, v
         index = list(range(first, min(first + batch, len(split.sequences))))
         embeddings, features, following, answer = _batch(split, index, embed)
         rope = rope_of(features.shape[:2])
-        outputs = unrolled_outputs(network, rope, embeddings, features, depth)
+        reads = features if inputs_of is None else inputs_of(index, features)
+        outputs = unrolled_outputs(network, rope, embeddings, reads, depth)
         wanted = to_row[following.clamp_min(0)]
         for s, out in enumerate(outputs, start=1):
             mask = answer.clone()
