@@ -26,9 +26,10 @@ from pathlib import Path
 import torch
 
 CHECK_INTERVAL_S = 0.5
-# Steps are far shorter than this: a longer gap between two checks means the engine sat idle,
-# and what the neighbours did meanwhile (a benchmark client loading its tokenizer, say) says
-# little about the load the next steps meet. Such a window only starts a new one.
+# Steps are far shorter than this: a longer gap between two checks means the engine sat idle
+# (or ran one very long prefill), and what the neighbours did meanwhile (a benchmark client
+# loading its tokenizer, say) says little about the load the next steps meet. Such a window
+# only starts a new one.
 IDLE_GAP_S = 2.0
 # Neighbours' load in cores is rounded to whole cores taken from us with these offsets: a
 # neighbour past half a core costs us a thread; under a quarter of a core it gives it back (the
