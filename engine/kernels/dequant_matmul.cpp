@@ -1034,11 +1034,6 @@ std::vector<std::string> available_isas() {
   return out;
 }
 
-bool isa_supported(const std::string& name) {
-  const auto all = available_isas();
-  return std::find(all.begin(), all.end(), name) != all.end();
-}
-
 // An instruction set as a product names it, and whether the name asks for the tiled product.
 struct NamedIsa {
   std::string name;

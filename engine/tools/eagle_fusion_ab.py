@@ -21,8 +21,10 @@ drafter more than one layer's states (docs/benchmarks.md, fifteenth session).
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -31,6 +33,7 @@ from engine.decoders.eagle import EagleNetwork
 from engine.llm import LLM
 from engine.models.draft_copies import dense_weight
 from engine.models.llama import rms_norm
+from engine.training.epochs import TrainingRun, train_epochs
 from engine.training.self_distillation import FEATURES_FILE, FeatureSplit, padded, sequence_features
 from engine.training.train_eagle import _batch, _losses, held_out_accuracies, unrolled_outputs
 from engine.training.train_heads import draft_vocabulary
@@ -99,6 +102,7 @@ def main() -> None:
         batch, width = shape
         return model.rope.lookup(torch.arange(width).repeat(batch))
 
+    scratch = tempfile.mkdtemp()  # train_epochs' checkpoints, not kept
     for variant in variants:
         torch.manual_seed(0)
         drafter = Drafter(variant, arch, len(layers))
@@ -107,21 +111,20 @@ def main() -> None:
         def inputs_of(split, index, features, drafter=drafter) -> torch.Tensor:
             return drafter.inputs([padded([s[i] for i in index]) for s in states[split]], features)
 
+        def loss_of(index, drafter=drafter, variant=variant) -> torch.Tensor:
+            embeddings, features, _, answer = _batch(train, index, model.embed)
+            outputs = unrolled_outputs(
+                drafter.network, rope_of(features.shape[:2]), embeddings,
+                inputs_of("train", index, features), 3, 0.05,
+            )  # fmt: skip
+            return sum(_losses(outputs, features, readout, answer, variant == "eagle"))
+
         started = time.perf_counter()
-        for epoch in range(args.epochs):
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(epoch)).tolist()
-            for first in range(0, n, 8):
-                index = order[first : first + 8]
-                embeddings, features, _, answer = _batch(train, index, model.embed)
-                outputs = unrolled_outputs(
-                    drafter.network, rope_of(features.shape[:2]), embeddings,
-                    inputs_of("train", index, features), 3, 0.05,
-                )  # fmt: skip
-                loss = sum(_losses(outputs, features, readout, answer, variant == "eagle"))
-                optimizer.zero_grad()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-                optimizer.step()
+        for epoch in range(args.epochs):  # one at a time, to read the held-out accuracy after each
+            epoch_options = SimpleNamespace(
+                output=scratch, resume=False, epochs=epoch + 1, batch_size=8
+            )
+            train_epochs(drafter, optimizer, epoch_options, n, loss_of, 1.0, TrainingRun(epoch))
             with torch.no_grad():
                 accuracies = held_out_accuracies(
                     drafter.network, rope_of, held_out, model.embed, readout, vocab,
