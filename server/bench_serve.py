@@ -316,7 +316,9 @@ def run_concurrency_sweep(
     The load runs ``rounds`` times per method, the two alternating A B, B A, A B, ... so that a
     machine slowing down or speeding up during the row (these shared VMs drift by 10-20%
     within a minute) weighs on both alike; a row's tok/s is its tokens over its seconds summed
-    over the rounds, and its ITL percentiles are over every round's gaps."""
+    over the rounds, and its ITL percentiles are over every round's gaps. The ITL p99 ratio
+    (method over autoregressive) comes with its range over the rounds, each round's ratio from
+    that round's gaps alone: how much of a difference is the machine's noise."""
     from engine.llm import load_tokenizer
     from engine.models.pull import resolve_model
 
@@ -334,8 +336,8 @@ def run_concurrency_sweep(
     )
     print(
         f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
-        f"autoregressive | ITL p50/p99 ms {method} | {method} steps plain | {method} mean "
-        "draft length |\n|---|---|---|---|---|---|---|---|"
+        f"autoregressive | ITL p50/p99 ms {method} | ITL p99 ratio | {method} steps plain | "
+        f"{method} mean draft length |\n|---|---|---|---|---|---|---|---|---|"
     )
     proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
     try:
@@ -343,8 +345,10 @@ def run_concurrency_sweep(
             tokens = {"autoregressive": 0, method: 0}
             seconds = {"autoregressive": 0.0, method: 0.0}
             gaps: dict[str, list[float]] = {"autoregressive": [], method: []}
+            round_ratios = []  # each round's ITL p99 ratio: how far one round's reading strays
             lengths_before = draft_lengths_chosen(url, method)
             for r in range(rounds):
+                round_p99 = {}
                 order = ("autoregressive", method) if r % 2 == 0 else (method, "autoregressive")
                 for name in order:
                     load = asyncio.run(
@@ -355,15 +359,20 @@ def run_concurrency_sweep(
                     )  # fmt: skip
                     tokens[name] += load.output_tokens(tokenizer)
                     seconds[name] += load.wall
-                    gaps[name] += [g for res in load.results for g in res.gaps]
+                    round_gaps = [g for res in load.results for g in res.gaps]
+                    gaps[name] += round_gaps
+                    round_p99[name] = percentiles(round_gaps)[2]
+                round_ratios.append(round_p99[method] / round_p99["autoregressive"])
             rows = {n: (tokens[n] / seconds[n], percentiles(gaps[n])) for n in tokens}
             after = draft_lengths_chosen(url, method)
             chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
             (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]
             print(
                 f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
-                f"{plain_itl[0] * 1e3:.0f} / {plain_itl[2] * 1e3:.0f} | "
-                f"{spec_itl[0] * 1e3:.0f} / {spec_itl[2] * 1e3:.0f} | {policy_summary(chosen)} |"
+                f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f} | "
+                f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f} | "
+                f"{spec_itl[2] / plain_itl[2]:.2f}x ({min(round_ratios):.2f}-"
+                f"{max(round_ratios):.2f}) | {policy_summary(chosen)} |"
             )
     finally:
         stop_server(proc)

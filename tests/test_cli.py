@@ -134,9 +134,15 @@ def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir
         assert plain > 0 and spec > 0 and ratio.endswith("x")
         assert abs(float(ratio[:-1]) - spec / plain) < 0.02  # from the unrounded rates
         assert cells[4].count("/") == 1 and cells[5].count("/") == 1  # ITL p50 / p99
+        plain_p99, spec_p99 = (float(cells[i].split("/")[1]) for i in (4, 5))
+        # The ratio comes from the unrounded p99s (0.1 ms shown).
+        ratio, spread = cells[6].split(" ")
+        assert abs(float(ratio.rstrip("x")) - spec_p99 / plain_p99) < 0.01 + 0.06 / plain_p99
+        low, high = (float(v) for v in spread.strip("()").split("-"))  # over the 3 rounds
+        assert 0 < low <= high
         # The policy's share of plain steps and mean draft length ("-" if it never chose).
-        assert (cells[6], cells[7]) == ("-", "-") or (
-            cells[6].endswith("%") and 0 <= float(cells[7]) <= 4
+        assert (cells[7], cells[8]) == ("-", "-") or (
+            cells[7].endswith("%") and 0 <= float(cells[8]) <= 4
         )
 
 
