@@ -135,9 +135,12 @@ def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir
         assert abs(float(ratio[:-1]) - spec / plain) < 0.02  # from the unrounded rates
         assert cells[4].count("/") == 1 and cells[5].count("/") == 1  # ITL p50 / p99
         plain_p99, spec_p99 = (float(cells[i].split("/")[1]) for i in (4, 5))
-        # The ratio comes from the unrounded p99s (0.1 ms shown).
+        # The ratio comes from the unrounded p99s, shown to 0.1 ms: it lies between the ratios
+        # of what they could have been (and is itself shown to 0.01).
         ratio, spread = cells[6].split(" ")
-        assert abs(float(ratio.rstrip("x")) - spec_p99 / plain_p99) < 0.01 + 0.06 / plain_p99
+        low_p99 = (spec_p99 - 0.05) / (plain_p99 + 0.05)
+        high_p99 = (spec_p99 + 0.05) / max(plain_p99 - 0.05, 1e-9)
+        assert low_p99 - 0.005 <= float(ratio.rstrip("x")) <= high_p99 + 0.005
         low, high = (float(v) for v in spread.strip("()").split("-"))  # over the 3 rounds
         assert 0 < low <= high
         # The policy's share of plain steps and mean draft length ("-" if it never chose).
