@@ -18,7 +18,10 @@ for the B sequences that want to draft, with
   that errs towards drafting less);
 - E(k): expected accepted drafts of a k-draft run, from the decoder's acceptance per draft
   position (decaying counts: position j counts the runs that reached it). For a token tree, k
-  is its node count and the positions are the accepted path's depths, an approximation.
+  is its node count, and the tree's own runs of that size decide: their mean accepted path
+  length, backed by ``PRIOR_RUNS`` pseudo-runs at the per-depth reading (which, with k nodes
+  read as k positions deep, overrates a big tree when small ones were measured and a small
+  tree when big ones were, a bushy tree's depths being accepted more often than a chain's).
 
 Exploration costs one sequence, never the batch: a length never drafted yet is tried by one
 sequence of the group (``explore``: it drafts one more than the choice), and so is the next
@@ -153,6 +156,11 @@ class DecoderRecord:
     draft_counts: dict[tuple[int, int], int] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # runs that drafted position j
     accepted: list[float] = field(default_factory=list)  # ... and had it accepted
+    # Token trees, by node count: runs, and the sum and sum of squares of the accepted path
+    # lengths (decaying like the positions' counts).
+    tree_runs: dict[int, float] = field(default_factory=dict)
+    tree_accepted: dict[int, float] = field(default_factory=dict)
+    tree_squares: dict[int, float] = field(default_factory=dict)
 
     def observe_draft(self, depth: int, num_seqs: int, seconds: float) -> None:
         key = (depth, num_seqs)
@@ -176,7 +184,17 @@ class DecoderRecord:
             return self.draft_seconds[depth, larger[0]]
         return self.draft_seconds[depth, sizes[-1]] * num_seqs / sizes[-1]
 
-    def observe_run(self, num_drafts: int, num_accepted: int) -> None:
+    def observe_run(self, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
+        """A verified run of ``num_drafts`` drafts (a chain, or with ``tree`` a tree of that
+        many nodes) of which ``num_accepted`` stood (a tree's: the accepted path's length)."""
+        if tree:
+            for size in self.tree_runs:
+                self.tree_runs[size] *= DECAY
+                self.tree_accepted[size] *= DECAY
+                self.tree_squares[size] *= DECAY
+            self.tree_runs[num_drafts] = self.tree_runs.get(num_drafts, 0.0) + 1
+            self.tree_accepted[num_drafts] = self.tree_accepted.get(num_drafts, 0.0) + num_accepted
+            self.tree_squares[num_drafts] = self.tree_squares.get(num_drafts, 0.0) + num_accepted**2
         while len(self.reached) < num_drafts:
             self.reached.append(0.0)
             self.accepted.append(0.0)
@@ -200,11 +218,26 @@ class DecoderRecord:
         return min(1.0, rate + optimism * (rate * (1 - rate) / runs) ** 0.5)
 
     def expected_accepted(self, k: int, optimism: float = 0.0) -> float:
+        """Expected accepted drafts of a k-draft run: along the positions, or for a tree size
+        that has run, that size's mean (``optimism``: that many standard errors higher)."""
+        if k in self.tree_runs:
+            return self._tree_expected(k, optimism)
+        return self._chain_expected(k, optimism)
+
+    def _chain_expected(self, k: int, optimism: float) -> float:
         total, chain = 0.0, 1.0
         for j in range(k):
             chain *= self.acceptance(j, optimism)
             total += chain
         return total
+
+    def _tree_expected(self, k: int, optimism: float) -> float:
+        prior = self._chain_expected(k, 0.0)
+        runs = self.tree_runs[k] + PRIOR_RUNS
+        mean = (self.tree_accepted[k] + PRIOR_RUNS * prior) / runs
+        square = (self.tree_squares[k] + PRIOR_RUNS * prior**2) / runs
+        spread = max(0.0, square - mean**2) ** 0.5
+        return min(float(k), mean + optimism * spread / runs**0.5)
 
 
 class GoodputPolicy:
@@ -285,5 +318,7 @@ class GoodputPolicy:
     def observe_draft(self, decoder: str, depth: int, num_seqs: int, seconds: float) -> None:
         self.decoders[decoder].observe_draft(depth, num_seqs, seconds)
 
-    def observe_run(self, decoder: str, num_drafts: int, num_accepted: int) -> None:
-        self.decoders[decoder].observe_run(num_drafts, num_accepted)
+    def observe_run(
+        self, decoder: str, num_drafts: int, num_accepted: int, tree: bool = False
+    ) -> None:
+        self.decoders[decoder].observe_run(num_drafts, num_accepted, tree)

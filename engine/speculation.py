@@ -273,7 +273,9 @@ class Speculator:
                 decoder.on_verified(s.seq, proposals[s.seq], v.num_accepted)
                 self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
                 if self.policy is not None:
-                    self.policy.observe_run(decoder.name, k, v.num_accepted)
+                    self.policy.observe_run(
+                        decoder.name, k, v.num_accepted, tree=run.parents is not None
+                    )
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
             accepted[s.seq] = v.num_accepted

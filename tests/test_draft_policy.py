@@ -194,15 +194,64 @@ def test_a_position_reached_a_few_times_is_not_taken_as_certain():
     assert record.acceptance(1) < 0.4 and record.acceptance(2) < 0.6
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_output_is_unchanged_with_the_policy(tiny_model_dir, method):
+def observe_trees(record, runs: dict[int, list[int]], rounds: int = 60) -> None:
+    """``rounds`` times, one run of each tree size in turn for every accepted length listed."""
+    for _ in range(rounds):
+        for lengths in zip(*runs.values(), strict=True):
+            for size, accepted in zip(runs, lengths, strict=True):
+                record.observe_run(size, accepted, tree=True)
+
+
+def test_a_tree_size_is_judged_by_its_own_runs():
+    # Bushy 8-node trees: the path is accepted 3 deep on average. 2-node trees seldom get one.
+    # Read as positions, the 8-node runs' depths (accepted nearly always) would make the
+    # 2-node tree look as good as the top of a bushy one.
+    record = DecoderRecord()
+    observe_trees(record, {8: [4, 4, 3, 2, 2], 2: [0, 0, 0, 1, 1]})
+    assert record.expected_accepted(2) == pytest.approx(0.4, abs=0.15)
+    assert record.expected_accepted(8) == pytest.approx(3.0, abs=0.3)
+    # A size that never ran reads along the positions, as a chain does.
+    assert record.expected_accepted(3) > record.expected_accepted(2) + 0.5
+    # Optimism widens a size's estimate by its own spread, never past its node count.
+    assert record.expected_accepted(2) < record.expected_accepted(2, optimism=1.5) <= 2
+
+
+def test_small_trees_that_lose_are_not_drafted_because_big_ones_did_well():
+    # Verifying costs half a step per token (a CPU): 8-node trees (3.0 accepted) lose, and
+    # so do this request's 1- and 2-node trees (0.3 and 0.4 accepted) however bushy trees
+    # fared earlier.
+    policy = GoodputPolicy(explore_every=10**9)
+    for n in range(1, 10):
+        policy.observe_step(n, 0.01 * (1 + 0.5 * (n - 1)))
+    for k in range(1, 9):
+        policy.observe_draft("d", k, 1, 0.0001 * k)
+    observe_trees(
+        policy.decoders["d"],
+        {8: [4, 4, 3, 2, 2] * 2, 1: [0, 0, 0, 1, 0, 0, 1, 0, 0, 1], 2: [0, 0, 0, 1, 1] * 2},
+    )
+    assert policy.choose("d", num_seqs=1, cap=2) == 0
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("ngram", {}),
+        ("draft", {}),
+        ("ngram", {"prompt_lookup_candidates": 4, "prompt_lookup_min": 1}),
+    ],
+    ids=["ngram", "draft", "ngram-tree"],
+)
+def test_greedy_output_is_unchanged_with_the_policy(tiny_model_dir, method, options):
     prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [3] * 12]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(prompts, greedy)]
-    decoder = {"method": method, "draft_policy": "goodput", "num_speculative_tokens": 3}
+    decoder = {"method": method, "draft_policy": "goodput", "num_speculative_tokens": 3, **options}
     llm = LLM(model=str(tiny_model_dir), decoder=decoder)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
     assert llm.engine.speculator.stats_by_decoder[method].num_drafts > 0  # drafts were verified
+    # A tree decoder's runs are kept by tree size for the policy; a chain's are not.
+    tree_runs = llm.engine.speculator.policy.decoders[method].tree_runs
+    assert bool(tree_runs) == bool(options)
 
 
 def test_its_choices_reach_prometheus_and_survive_an_engine_restart(tiny_model_dir):
