@@ -193,9 +193,7 @@ def served_model(url: str) -> str:
     """The model id a running server answers to (its first in ``/v1/models``): a server
     started by ``make serve`` serves the embedded model under its short name, one started
     with ``--served-model-name`` under that."""
-    response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    return served_decoders(url).model
 
 
 def run_serve_bench(
@@ -308,10 +306,11 @@ def run_concurrency_sweep(
     max_tokens: int,
     log_dir: str = "/tmp",
     rounds: int = 2,
+    url: str | None = None,
 ) -> None:
-    """One specserve server (its config loads ``method``): at each concurrency, the same load
-    with every request on plain autoregressive decoding and on ``method`` (chosen per
-    request), one table row per concurrency.
+    """One specserve server (its config loads ``method``; started here unless ``url`` is
+    given): at each concurrency, the same load with every request on plain autoregressive
+    decoding and on ``method`` (chosen per request), one table row per concurrency.
 
     The load runs ``rounds`` times per method, the two alternating A B, B A, A B, ... so that a
     machine slowing down or speeding up during the row (these shared VMs drift by 10-20%
@@ -324,55 +323,86 @@ def run_concurrency_sweep(
 
     model_dir = str(resolve_model(model or "smollm2-135m-instruct"))
     tokenizer = load_tokenizer(Path(model_dir))
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model",
-           model_dir, "--served-model-name", "bench"]  # fmt: skip
-    cmd += ["--config", config] if config else ["--decoder", method]
-    print(
-        f"model {model_dir}; config {config or '--decoder ' + method}; streaming chat, "
-        f"{requests_per_stream} requests per stream, max_tokens {max_tokens}, greedy, "
-        f"{rounds} alternating rounds per method\n"
-    )
+    proc = None
+    if url is None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model",
+               model_dir, "--served-model-name", "bench"]  # fmt: skip
+        cmd += ["--config", config] if config else ["--decoder", method]
+        where = f"config {config or '--decoder ' + method}"
+        proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
+    else:
+        where = f"the server at {url}"
+    try:
+        served = served_decoders(url)
+        if method not in served.decoders:
+            raise ValueError(
+                f"{where} does not load {method!r} (it has {', '.join(served.decoders)}): "
+                f"start it with --extra-decoders {method} or a config that loads it"
+            )
+        print(
+            f"model {model_dir}; {where}; streaming chat, {requests_per_stream} requests per "
+            f"stream, max_tokens {max_tokens}, greedy, {rounds} alternating rounds per method\n"
+        )
+        _sweep(url, served.model, tokenizer, method, concurrencies, requests_per_stream,
+               max_tokens, rounds)  # fmt: skip
+    finally:
+        if proc is not None:
+            stop_server(proc)
+
+
+@dataclass
+class ServedDecoders:
+    model: str  # the id requests name
+    decoders: list[str]  # what "speculative": {"method": ...} may pick
+
+
+def served_decoders(url: str) -> ServedDecoders:
+    """A running server's model id and the decoders it loaded (its ``/v1/models`` card)."""
+    response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
+    response.raise_for_status()
+    card = response.json()["data"][0]
+    return ServedDecoders(card["id"], list(card.get("decoders", ["autoregressive"])))
+
+
+def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, max_tokens, rounds):
+    """The table rows of ``run_concurrency_sweep`` against the running server at ``url``."""
     print(
         f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
         f"autoregressive | ITL p50/p99 ms {method} | ITL p99 ratio | {method} steps plain | "
         f"{method} mean draft length |\n|---|---|---|---|---|---|---|---|---|"
     )
-    proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
-    try:
-        for c in concurrencies:
-            tokens = {"autoregressive": 0, method: 0}
-            seconds = {"autoregressive": 0.0, method: 0.0}
-            gaps: dict[str, list[float]] = {"autoregressive": [], method: []}
-            round_ratios = []  # each round's ITL p99 ratio: how far one round's reading strays
-            lengths_before = draft_lengths_chosen(url, method)
-            for r in range(rounds):
-                round_p99 = {}
-                order = ("autoregressive", method) if r % 2 == 0 else (method, "autoregressive")
-                for name in order:
-                    load = asyncio.run(
-                        run_load(
-                            name, url, "bench", c, c * requests_per_stream, max_tokens,
-                            {"speculative": {"method": name}},
-                        )
-                    )  # fmt: skip
-                    tokens[name] += load.output_tokens(tokenizer)
-                    seconds[name] += load.wall
-                    round_gaps = [g for res in load.results for g in res.gaps]
-                    gaps[name] += round_gaps
-                    round_p99[name] = percentiles(round_gaps)[2]
-                round_ratios.append(round_p99[method] / round_p99["autoregressive"])
-            rows = {n: (tokens[n] / seconds[n], percentiles(gaps[n])) for n in tokens}
-            after = draft_lengths_chosen(url, method)
-            chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
-            (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]
-            print(
-                f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
-                f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f} | "
-                f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f} | "
-                f"{spec_itl[2] / plain_itl[2]:.2f}x ({min(round_ratios):.2f}-"
-                f"{max(round_ratios):.2f}) | {policy_summary(chosen)} |"
-            )
-    finally:
-        stop_server(proc)
+    for c in concurrencies:
+        tokens = {"autoregressive": 0, method: 0}
+        seconds = {"autoregressive": 0.0, method: 0.0}
+        gaps: dict[str, list[float]] = {"autoregressive": [], method: []}
+        round_ratios = []  # each round's ITL p99 ratio: how far one round's reading strays
+        lengths_before = draft_lengths_chosen(url, method)
+        for r in range(rounds):
+            round_p99 = {}
+            order = ("autoregressive", method) if r % 2 == 0 else (method, "autoregressive")
+            for name in order:
+                load = asyncio.run(
+                    run_load(
+                        name, url, model, c, c * requests_per_stream, max_tokens,
+                        {"speculative": {"method": name}},
+                    )
+                )  # fmt: skip
+                tokens[name] += load.output_tokens(tokenizer)
+                seconds[name] += load.wall
+                round_gaps = [g for res in load.results for g in res.gaps]
+                gaps[name] += round_gaps
+                round_p99[name] = percentiles(round_gaps)[2]
+            round_ratios.append(round_p99[method] / round_p99["autoregressive"])
+        rows = {n: (tokens[n] / seconds[n], percentiles(gaps[n])) for n in tokens}
+        after = draft_lengths_chosen(url, method)
+        chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
+        (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]
+        print(
+            f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
+            f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f} | "
+            f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f} | "
+            f"{spec_itl[2] / plain_itl[2]:.2f}x ({min(round_ratios):.2f}-"
+            f"{max(round_ratios):.2f}) | {policy_summary(chosen)} |"
+        )

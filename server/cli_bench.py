@@ -44,7 +44,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
             raise ValueError("--rounds: at least 1")
         run_concurrency_sweep(
             args.model, args.config, args.compare, concurrencies, args.requests_per_stream,
-            args.max_tokens, rounds=args.rounds,
+            args.max_tokens, rounds=args.rounds, url=args.url,
         )  # fmt: skip
         return 0
     spec = LoadSpec(args.concurrency, args.requests or args.concurrency, args.max_tokens)
@@ -187,14 +187,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--concurrency", type=int, default=8)
     serve.add_argument("--requests", type=int, help="total requests (default: --concurrency)")
     serve.add_argument("--max-tokens", type=int, default=64)
-    serve.add_argument("--url", help="benchmark an already running specserve at this URL")
+    serve.add_argument(
+        "--url",
+        help="benchmark an already running specserve at this URL (with --compare: it must "
+        "load METHOD, e.g. --extra-decoders METHOD)",
+    )
     serve.add_argument("--no-baseline", action="store_true", help="skip transformers serve")
     serve.add_argument(
         "--compare",
         metavar="METHOD",
-        help="instead: one specserve server, and at each of --concurrencies the same load on "
-        "autoregressive decoding and on METHOD (chosen per request; --config must load it, "
-        "else --decoder METHOD is used)",
+        help="instead: one specserve server (started here, or the one at --url), and at each "
+        "of --concurrencies the same load on autoregressive decoding and on METHOD (chosen per "
+        "request; --config must load it, else --decoder METHOD is used)",
     )
     serve.add_argument("--concurrencies", default="1,4,8,16,32", help="with --compare")
     serve.add_argument(

@@ -113,6 +113,40 @@ def test_bench_serve_measures_a_running_server_under_its_own_model_name(tiny_ser
     assert int(row.strip("|").split("|")[1]) > 0  # output tokens
 
 
+def test_bench_serve_compares_a_decoder_on_a_running_server(tiny_chat_model_dir, tmp_path):
+    from tests.server_process import ServerProcess
+
+    def compare(url: str, method: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [
+                *SPECSERVE, "bench", "serve", "--url", url, "--model", str(tiny_chat_model_dir),
+                "--compare", method, "--concurrencies", "1", "--requests-per-stream", "1",
+                "--max-tokens", "4", "--rounds", "1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )  # fmt: skip
+
+    server = ServerProcess(
+        "--model", str(tiny_chat_model_dir), "--served-model-name", "tiny-ngram",
+        "--extra-decoders", "ngram", log_path=tmp_path / "server.log",
+    )  # fmt: skip
+    try:
+        server.wait_ready()
+        result = compare(server.url, "ngram")
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"the server at {server.url}" in result.stdout
+        (row,) = [line for line in result.stdout.splitlines() if line.startswith("| 1 ")]
+        assert float(row.strip("|").split("|")[1]) > 0  # autoregressive tok/s
+        # A method the server did not load is refused before any load runs.
+        refused = compare(server.url, "eagle")
+        assert refused.returncode != 0 and "does not load 'eagle'" in refused.stderr
+        assert "| streams |" not in refused.stdout
+    finally:
+        server.stop()
+
+
 def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir):
     result = subprocess.run(
         [
