@@ -148,6 +148,12 @@ class DecoderConfig(_Strict):
     # measured step costs and acceptance (engine/draft_policy.py), or "fixed": always k
     # (capped by windows and the gate, as the policy is).
     draft_policy: Literal["fixed", "goodput"] = "goodput"
+    # The goodput policy's bound on inter-token latency: a drafting step may take at most this
+    # many times a plain step's predicted time (1.1: chunks come at most 10% further apart than
+    # without drafting). None: the length with the most tokens per second, however long its
+    # step. On a 2-core CPU, where one draft makes a step 1.2-1.3x, 1.1 keeps a single stream
+    # plain; cheap drafts verified where a few more tokens cost little (a GPU) can fit it.
+    max_step_stretch: float | None = Field(None, ge=1.0)
     # Also load the trained drafters that ship for the model (engine/drafters/), so that a
     # request can pick medusa, hydra, eagle or kangaroo without training one first. Loaded
     # but unused, they cost memory only: a step runs plain unless a sequence drafts.

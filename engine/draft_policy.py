@@ -31,6 +31,9 @@ that otherwise (a loss by the estimates is seldom worth re-checking, and each ch
 step). "Could be" reads each acceptance ``OPTIMISM`` standard errors high: a few unlucky
 first runs (one accepted of five, for a drafter right 46% of the time) must not file a
 length under "clear loss" before enough runs say so.
+With ``max_step_stretch`` s it only considers lengths whose predicted step (drafting,
+forward and verification) takes at most s times the plain step's, and explores none beyond: a
+bound on how much further apart drafting spaces a stream's chunks (inter-token latency).
 The windows, the gate and the request's k still cap what it may choose: it only ever drafts
 less. Choosing 0 for every sequence leaves the step without drafts. Output never depends on it:
 the verifier is exact whatever is drafted.
@@ -245,10 +248,13 @@ class GoodputPolicy:
         self,
         explore_every: int = 16,
         calibrate: Callable[[], StepTimings] | None = None,
+        max_step_stretch: float | None = None,
     ):
         """``calibrate``: returns the target's forward timings (``StepTimings``), measured on
-        the machine; called once, before the first choice."""
+        the machine; called once, before the first choice. ``max_step_stretch``: see the
+        module docstring (None: no bound)."""
         self.cost = StepCostModel()
+        self.max_step_stretch = max_step_stretch
         self.decoders: dict[str, DecoderRecord] = defaultdict(DecoderRecord)
         self.explore_every = explore_every
         self._calibrate = calibrate
@@ -283,6 +289,7 @@ class GoodputPolicy:
         record = self.decoders[decoder]
         rates: dict[int, tuple[float, float]] = {}  # k -> (tokens per second, step seconds)
         hopes: dict[int, float] = {}  # k -> tokens per second at optimistic acceptance
+        too_long = False  # the next length's step is known to break max_step_stretch
         for k in range(cap + 1):
             # Each of the 1 + k tokens attends to its sequence, drafts to their predecessors.
             keys = other_keys + (1 + k) * context + num_seqs * k * (k + 1) // 2
@@ -290,13 +297,17 @@ class GoodputPolicy:
             drafting = 0.0 if k == 0 else record.predict_draft(k, num_seqs)
             if forward is None or drafting is None:
                 break  # not measured: deeper lengths are not either
+            if k > 0 and self.max_step_stretch is not None:
+                if forward + drafting > self.max_step_stretch * rates[0][1]:
+                    too_long = True  # and deeper lengths take longer still
+                    break
             expected = other_tokens + num_seqs * (1 + record.expected_accepted(k))
             rates[k] = (expected / (forward + drafting), forward + drafting)
             hoped = other_tokens + num_seqs * (1 + record.expected_accepted(k, OPTIMISM))
             hopes[k] = hoped / (forward + drafting)
         best = max(rates, key=lambda k: rates[k][0]) if rates else 0
         nxt = best + 1
-        if nxt > cap:
+        if nxt > cap or (too_long and nxt not in rates):
             self.explore = False
         elif nxt not in rates:
             self.explore = True  # never measured: one sequence tries it now

@@ -150,7 +150,9 @@ class Engine:
             self.max_model_len,
             TargetConfidenceGate(config.gate.min_target_prob),
             self.kv_cache,
-            GoodputPolicy(calibrate=self._step_cost_timer(config))
+            GoodputPolicy(
+                calibrate=self._step_cost_timer(config), max_step_stretch=config.max_step_stretch
+            )
             if config.draft_policy == "goodput"
             else None,
         )

@@ -54,6 +54,12 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         "step costs and acceptance; fixed: draft k every step",
     )
     p.add_argument(
+        "--max-step-stretch",
+        type=float,
+        help="goodput policy: a drafting step may take at most this many times a plain step "
+        "(1.1: chunks at most 10%% further apart; default: no bound)",
+    )
+    p.add_argument(
         "--threads",
         type=_positive_int,
         help="threads of the products (default: every core while the cores are free, one "
@@ -89,6 +95,7 @@ def engine_config_from_args(args: argparse.Namespace):
         "method": args.decoder,
         "num_speculative_tokens": args.num_speculative_tokens,
         "draft_policy": getattr(args, "draft_policy", None),
+        "max_step_stretch": getattr(args, "max_step_stretch", None),
     }
     if args.extra_decoders:
         decoder["extra_methods"] = [m.strip() for m in args.extra_decoders.split(",") if m.strip()]

@@ -169,3 +169,15 @@ def test_gpu_kv_cache_budget_follows_vllm_utilization_rule():
     assert gpu_kv_cache_bytes(80 * gib, 1 * gib, 0.9) == int(72 * gib) - gib - GPU_HEADROOM_BYTES
     with pytest.raises(ValueError, match="leaves no room for a KV cache"):
         gpu_kv_cache_bytes(80 * gib, 70 * gib, 0.9)
+
+
+def test_the_step_stretch_bound_comes_from_the_command_line_or_stays_off():
+    from server.cli import build_parser
+    from server.cli_generate import engine_config_from_args
+
+    parser = build_parser()
+    bounded = engine_config_from_args(parser.parse_args(["serve", "--max-step-stretch", "1.2"]))
+    assert bounded.decoder.max_step_stretch == 1.2
+    assert engine_config_from_args(parser.parse_args(["serve"])).decoder.max_step_stretch is None
+    with pytest.raises(ValueError, match="max_step_stretch"):
+        EngineConfig().with_overrides(decoder={"max_step_stretch": 0.9})  # shorter than plain

@@ -49,6 +49,28 @@ def test_drafting_that_pays_drafts_as_much_as_allowed():
     assert policy.choose("d", num_seqs=1, cap=4) == 4
 
 
+def test_a_step_stretch_bound_drafts_only_what_keeps_chunks_close(tiny_model_dir):
+    # Each verified token costs 0.3 of a step and drafts are usually right: unbounded, the
+    # policy drafts the whole cap (1.9x the tokens a second, in a step 2.2x as long).
+    def cost(n):
+        return 0.01 * (1 + 0.3 * (n - 1))
+
+    assert trained_policy(cost, 0.00001, acceptance=0.9).choose("d", num_seqs=1, cap=4) == 4
+    # A drafting step may take 1.35x a plain one: one draft (1.3x), and the next length is
+    # never explored, however often the policy would otherwise re-check it.
+    bounded = trained_policy(cost, 0.00001, acceptance=0.9)
+    bounded.max_step_stretch, bounded.explore_every = 1.35, 1
+    for _ in range(40):
+        assert bounded.choose("d", num_seqs=1, cap=4) == 1 and not bounded.explore
+    # 1.1x: no draft fits, the stream runs plain.
+    bounded.max_step_stretch = 1.1
+    assert bounded.choose("d", num_seqs=1, cap=4) == 0 and not bounded.explore
+    # The config reaches the engine's policy.
+    decoder = {"method": "ngram", "max_step_stretch": 1.25}
+    policy = LLM(model=str(tiny_model_dir), decoder=decoder).engine.speculator.policy
+    assert policy.max_step_stretch == 1.25
+
+
 def test_a_full_batch_drafts_less_than_a_single_stream():
     # Past 8 tokens every token costs as much as a step's fixed part: at batch 8 the rows that
     # were spare at batch 1 are gone, so the policy stops drafting.
