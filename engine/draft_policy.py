@@ -190,7 +190,11 @@ class DecoderRecord:
     def observe_run(self, num_drafts: int, num_accepted: int, tree: bool = False) -> None:
         """A verified run of ``num_drafts`` drafts (a chain, or with ``tree`` a tree of that
         many nodes) of which ``num_accepted`` stood (a tree's: the accepted path's length)."""
-        if tree:
+        # Once a decoder has drafted a tree, its chains count by size too: a decoder that
+        # sends a chain when its candidates agree (ngram) would otherwise file only its
+        # weaker, disagreeing runs under a size. Sizes decay on these runs only; positions
+        # decay on every run.
+        if tree or self.tree_runs:
             for size in self.tree_runs:
                 self.tree_runs[size] *= DECAY
                 self.tree_accepted[size] *= DECAY
@@ -235,7 +239,9 @@ class DecoderRecord:
         return total
 
     def _tree_expected(self, k: int, optimism: float) -> float:
-        prior = self._chain_expected(k, 0.0)
+        # The pseudo-runs read with the same optimism, so that a few unlucky first runs pull
+        # an optimistic estimate no lower than the positions' reading would have been.
+        prior = self._chain_expected(k, optimism)
         runs = self.tree_runs[k] + PRIOR_RUNS
         mean = (self.tree_accepted[k] + PRIOR_RUNS * prior) / runs
         square = (self.tree_squares[k] + PRIOR_RUNS * prior**2) / runs

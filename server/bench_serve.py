@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import statistics
@@ -333,6 +334,7 @@ def run_concurrency_sweep(
         where = f"config {config or '--decoder ' + method}"
         proc = start_server(cmd, url, f"{log_dir}/sweep-bench-serve.log")
     else:
+        url = url.rstrip("/")
         where = f"the server at {url}"
     try:
         served = served_decoders(url)
@@ -363,7 +365,9 @@ def served_decoders(url: str) -> ServedDecoders:
     response = httpx.get(url.rstrip("/") + "/v1/models", timeout=30)
     response.raise_for_status()
     card = response.json()["data"][0]
-    return ServedDecoders(card["id"], list(card.get("decoders", ["autoregressive"])))
+    if "decoders" not in card:  # the card lists them once the engine is up
+        raise RuntimeError(f"the server at {url} is not ready (its engine is still loading)")
+    return ServedDecoders(card["id"], list(card["decoders"]))
 
 
 def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, max_tokens, rounds):
@@ -394,7 +398,9 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
                 round_gaps = [g for res in load.results for g in res.gaps]
                 gaps[name] += round_gaps
                 round_p99[name] = percentiles(round_gaps)[2]
-            round_ratios.append(round_p99[method] / round_p99["autoregressive"])
+            ratio = round_p99[method] / round_p99["autoregressive"]
+            if not math.isnan(ratio):  # a round whose streams sent one chunk each has no gap
+                round_ratios.append(ratio)
         rows = {n: (tokens[n] / seconds[n], percentiles(gaps[n])) for n in tokens}
         after = draft_lengths_chosen(url, method)
         chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
@@ -403,6 +409,15 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
             f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
             f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f} | "
             f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f} | "
-            f"{spec_itl[2] / plain_itl[2]:.2f}x ({min(round_ratios):.2f}-"
-            f"{max(round_ratios):.2f}) | {policy_summary(chosen)} |"
+            f"{spec_itl[2] / plain_itl[2]:.2f}x {_spread(round_ratios)} | "
+            f"{policy_summary(chosen)} |"
         )
+
+
+def _spread(ratios: list[float]) -> str:
+    """ "(lowest-highest)" of the rounds' ratios; "(-)" if no round had gaps to compare."""
+    if not ratios:
+        return "(-)"
+    return "({}-{})".format(
+        *(f"{r:.2f}" if r >= 0.1 else f"{r:.3f}" for r in (min(ratios), max(ratios)))
+    )

@@ -36,6 +36,8 @@ def _cmd_bench_linear(args: argparse.Namespace) -> int:
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from server.bench_serve import LoadSpec, run_concurrency_sweep, run_serve_bench
 
+    if args.url and args.config:
+        raise ValueError("--config configures a server the bench starts; not with --url")
     if args.compare:
         concurrencies = [int(c) for c in args.concurrencies.split(",") if c.strip()]
         if not concurrencies or min(concurrencies) < 1:

@@ -238,6 +238,15 @@ def test_a_tree_size_is_judged_by_its_own_runs():
     assert record.expected_accepted(2) < record.expected_accepted(2, optimism=1.5) <= 2
 
 
+def test_a_tree_decoder_s_chains_count_for_their_size_too():
+    # ngram sends a chain when its candidates agree (its good runs), a tree when they do not.
+    record = DecoderRecord()
+    record.observe_run(2, 0, tree=True)
+    for _ in range(50):
+        record.observe_run(2, 2)  # agreeing candidates: a chain, all accepted
+    assert record.expected_accepted(2) > 1.7
+
+
 def test_small_trees_that_lose_are_not_drafted_because_big_ones_did_well():
     # Verifying costs half a step per token (a CPU): 8-node trees (3.0 accepted) lose, and
     # so do this request's 1- and 2-node trees (0.3 and 0.4 accepted) however bushy trees
