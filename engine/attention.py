@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.build import load_kernels
+
 # Query runs up to this long share one padded group; longer ones get their own.
 SHORT_QUERY_LIMIT = 32
 
@@ -103,6 +105,8 @@ def build_attention_metadata(
 
     With ``sliding_window`` W (Mistral), a query at position p sees keys in (p - W, p].
     """
+    if _all_short_chains(slices) and load_kernels():
+        return _chain_plan_in_cpp(slices, block_size, head_dim, device, sliding_window)
     short, groups = [], []
     row = 0
     for s in slices:
@@ -123,6 +127,47 @@ def build_attention_metadata(
     slot_mapping = _new_token_slots(slices, block_size)
     groups = [_to_device(g, device) for g in groups]
     return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5)
+
+
+def _all_short_chains(slices: Sequence[SequenceSlice]) -> bool:
+    """Every slice a short chain that reads its keys back from the cache: the one padded group
+    ``_cached_chains_group`` plans (decode and chain verification steps)."""
+    return all(
+        s.tree_parents is None
+        and s.num_new <= SHORT_QUERY_LIMIT
+        and (s.num_cached > 0 or s.num_new == 1)
+        for s in slices
+    )
+
+
+def _chain_plan_in_cpp(
+    slices: Sequence[SequenceSlice],
+    block_size: int,
+    head_dim: int,
+    device: torch.device,
+    window: int | None,
+) -> AttentionMetadata:
+    """The plan of ``_cached_chains_group`` and ``_new_token_slots`` built in one C++ call
+    (engine/kernels/attention_plan.cpp): the same tensors, without twenty tensor calls."""
+    tables = [block for s in slices for block in s.block_table]
+    plan = torch.ops.specserve.chain_attention_plan(
+        [s.num_cached for s in slices],
+        [s.num_new for s in slices],
+        tables,
+        [len(s.block_table) for s in slices],
+        block_size,
+        -1 if window is None else window,
+    )
+    slots, query_index, kv_slots, mask, valid, output_rows = plan
+    group = AttentionGroup(
+        query_index,
+        kv_slots,
+        mask if mask.numel() else None,
+        valid if valid.numel() else None,
+        output_rows,
+        whole_batch=not valid.numel(),  # no padding: the queries are rows 0 .. T - 1 in order
+    )
+    return AttentionMetadata(slots.to(device), [_to_device(group, device)], head_dim**-0.5)
 
 
 def _visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:

@@ -135,3 +135,51 @@ def _dense_mask(group) -> torch.Tensor:
     b, q = group.query_index.shape
     shape = (b, 1, q, group.kv_slots.shape[1])
     return torch.ones(shape, dtype=torch.bool) if group.mask is None else group.mask
+
+
+@pytest.mark.parametrize("window", [None, 3, 6, 1000])
+def test_chain_plan_in_cpp_equals_the_python_plan(window, monkeypatch):
+    """Decode and verification steps get their plan from one C++ call; it must build exactly
+    the tensors of the Python chain builder (which runs where there are no kernels),
+    including which of mask and valid are left out."""
+    if not load_kernels():
+        pytest.skip("no C++ kernels on this machine")
+    import engine.attention as attention
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(40):
+        shapes = [
+            (
+                int(torch.randint(0 if trial % 3 == 0 else 1, 40, (1,), generator=g)),
+                int(torch.randint(1, 6, (1,), generator=g)),
+            )
+            for _ in range(int(torch.randint(1, 7, (1,), generator=g)))
+        ]
+        shapes = [(c, 1 if c == 0 else n) for c, n in shapes]  # nothing cached: a first token
+        if trial == 0:
+            shapes = [(12, 1), (12, 1)]  # equal decode rows: no mask, no padding
+        if trial == 1:
+            shapes = [(0, 1)]
+        slices, base = [], 100
+        for cached, new in shapes:
+            table = list(range(base, base + -(-(cached + new) // BS) + 2))  # spare blocks
+            base += len(table)
+            slices.append(SequenceSlice(cached, new, table[::-1]))  # blocks in any order
+        got = build_attention_metadata(slices, BS, 8, "cpu", window)
+        with monkeypatch.context() as m:
+            m.setattr(attention, "load_kernels", lambda: False)
+            want = build_attention_metadata(slices, BS, 8, "cpu", window)
+        assert torch.equal(got.slot_mapping, want.slot_mapping) and got.scale == want.scale
+        (a,), (b,) = got.groups, want.groups
+        for field in ("query_index", "kv_slots", "mask", "valid", "output_rows"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None) == (y is None), (field, shapes)
+            assert x is None or (x.dtype == y.dtype and torch.equal(x, y)), (field, shapes)
+        assert (a.whole_batch, a.causal) == (b.whole_batch, b.causal), shapes
+
+
+def test_chain_plan_in_cpp_refuses_a_short_block_table():
+    if not load_kernels():
+        pytest.skip("no C++ kernels on this machine")
+    with pytest.raises(RuntimeError, match="block table too short"):
+        build_attention_metadata([SequenceSlice(8, 2, [3, 4])], BS, 8, "cpu")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.decoders.base import Proposal
+from engine.kernels.build import load_kernels
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.rejection_sampler import position_row
 from engine.sampling import (
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # for annotations only
 # must be independent of the acceptance draws.
 DRAFT_SEED_OFFSET = 0x5D2A_F7
 
-__all__ = ["DRAFT_SEED_OFFSET", "ModelDrafter", "draft_statistics"]
+__all__ = ["DRAFT_SEED_OFFSET", "ModelDrafter", "draft_statistics", "softmax_with_statistics"]
 
 
 @dataclass
@@ -55,6 +56,19 @@ class _DraftState:
     cache_epoch: int  # the sequence's cache epoch when num_cached was set
     generator: torch.Generator
     start: int = 0  # position of the first token read in the current drafting round
+
+
+def softmax_with_statistics(
+    scores: torch.Tensor,
+) -> tuple[torch.Tensor, list[float], list[float]]:
+    """Softmax of each row of ``scores`` ([R, V] unprocessed draft scores) with its top-1
+    probability and entropy: one C++ pass per row on the CPU in float32 (the separate ops
+    cost more than the readout that made the scores), PyTorch elsewhere."""
+    if scores.device.type == "cpu" and scores.dtype == torch.float32 and load_kernels():
+        dists, top, entropy = torch.ops.specserve.softmax_statistics(scores)
+        return dists, top.tolist(), entropy.tolist()
+    dists = torch.softmax(scores, dim=-1)
+    return (dists, *draft_statistics(dists))
 
 
 def draft_statistics(distributions: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -222,10 +236,10 @@ class ModelDrafter:
             if compact:
                 processed = self.forward(active, chains, ones, compact=True)
                 # Unprocessed: q of a sampled row and the raw softmax of a greedy one agree.
-                dists = torch.softmax(processed, dim=-1)
+                dists, tops, ents = softmax_with_statistics(processed)
             else:
                 dists, processed = self.distributions(self.forward(active, chains, ones), rows)
-            tops, ents = draft_statistics(dists)
+                tops, ents = draft_statistics(dists)
             # max's indices: argmax's (the first of equal maxima) at a third of its time here.
             picks = processed.max(dim=-1).indices
             greedy = [s.sampling_params.greedy for s in active]
