@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.constraints.spec import ConstraintSpec
+from engine.kernels.build import load_kernels
 from engine.logits_processing import (
     NEG_INF,
     apply_count_penalties_,
@@ -57,9 +58,18 @@ _FLOAT_FIELDS = (
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row (the first index of the maximum, as ``argmax``). ``max`` over
-    the last dimension gives the same index and on CPU runs 2-3x faster than ``argmax``:
-    1.2 against 0.4 ms for 32 rows of a 49k vocabulary, a few percent of a batch-32 step."""
+    """The argmax of each row (the first index of the maximum, as ``argmax``). On the CPU in
+    float32 one vectorized C++ pass per row (engine/kernels/row_reductions.cpp): ``max``
+    took 70 us for one 49k-column row in a decode step. Elsewhere ``max`` over the last
+    dimension, which gives the same index and on CPU runs 2-3x faster than ``argmax``."""
+    if (
+        logits.dim() == 2
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and logits.shape[1] > 0
+        and load_kernels()
+    ):
+        return torch.ops.specserve.row_argmax(logits)
     return logits.max(dim=-1).indices
 
 

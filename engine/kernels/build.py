@@ -4,8 +4,8 @@ The kernels are C++ files registered with ``torch.library``: the weight products
 (``dequant_matmul.cpp``, ``amx_matmul.cpp``), the fused small operations of a layer
 (``layer_ops.cpp``), attention of short query runs over the paged cache
 (``paged_attention.cpp``) and its plan for chains (``attention_plan.cpp``), the decoder
-layers run in one call (``decoder_stack.cpp``), and a draft step's softmax with its top and
-entropy (``softmax_statistics.cpp``).
+layers run in one call (``decoder_stack.cpp``), and one-pass reductions over logits rows: a
+greedy step's argmax, a draft step's softmax with its top and entropy (``row_reductions.cpp``).
 They are compiled with the system's C++ compiler against the installed torch's headers
 into one library in the specserve cache
 (keyed by the source, torch version and machine architecture), so the first load on a
@@ -40,7 +40,7 @@ SOURCES = [
         "paged_attention.cpp",
         "decoder_stack.cpp",
         "attention_plan.cpp",
-        "softmax_statistics.cpp",
+        "row_reductions.cpp",
     )
 ]
 HEADERS = [Path(__file__).with_name(name) for name in ("weight_rows.h", "vector_exp.h")]

@@ -1,4 +1,5 @@
-"""A draft step's softmax, top probability and entropy in one C++ pass equal PyTorch's."""
+"""The C++ reductions over logits rows equal PyTorch's: a greedy step's argmax, a draft
+step's softmax with its top probability and entropy."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from engine.decoders.drafting import draft_statistics, softmax_with_statistics
 from engine.kernels.build import load_kernels
+from engine.sampling import greedy_tokens
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="no C++ kernels on this machine")
 
@@ -45,3 +47,22 @@ def test_drafting_gets_the_same_from_the_kernel_and_from_pytorch(monkeypatch):
     assert top == pytest.approx(want_top, rel=1e-5)
     assert entropy == pytest.approx(want_entropy, rel=1e-4, abs=1e-5)
     assert isinstance(top, list) and isinstance(entropy, list)
+
+
+@pytest.mark.parametrize("width", [1, 2, 15, 16, 17, 1000, 49152])
+def test_argmax_takes_the_first_of_equal_maxima_as_pytorch(width):
+    g = torch.Generator().manual_seed(width)
+    rows = torch.randn(6, width, generator=g)
+    rows[1] = rows[1].round()  # many ties
+    rows[1, -1] = rows[1, 0] = rows[1].max() + 1  # tie between the first and the last column
+    rows[2] = float("-inf")  # a fully masked row: index 0
+    rows[3, width // 2] = float("inf")
+    rows[4, width // 3] = float("nan")  # NaN wins in PyTorch's max: the kernel defers to it
+    rows[5] = rows[5].half().float()  # exactly equal values from a coarse grid
+    want = rows.argmax(dim=-1)
+    assert torch.equal(torch.ops.specserve.row_argmax(rows), want)
+    assert torch.equal(greedy_tokens(rows), want)
+    assert torch.equal(
+        greedy_tokens(rows[:, : max(1, width // 2)]), rows[:, : max(1, width // 2)].argmax(-1)
+    )
+    assert torch.equal(greedy_tokens(rows.t().contiguous().t()), want)  # strided rows
