@@ -73,7 +73,8 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
         seqs = [s for s in seqs if s in self._hidden]
         if not seqs:
             return {}
-        tree = self.tree[: max(num_drafts[s] for s in seqs)]
+        num_paths = max(num_drafts[s] for s in seqs)
+        tree = self.tree[:num_paths]
         features = self.normed_features(seqs)
         batch = len(seqs)
         embed = self.model.embed
@@ -88,15 +89,16 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
                 for parent in parents
                 for b in range(batch)
             ]
-            embeddings = decode.repeat(len(parents), 1)[:, None]
+            embeddings = (decode if len(parents) == 1 else decode.repeat(len(parents), 1))[:, None]
             if depth > 1:
                 later = embed(torch.tensor(path_tokens).flatten()).float()
                 later = later.reshape(len(path_tokens), depth - 1, -1)
                 embeddings = torch.cat([embeddings, later], dim=1)
             j = depth - 1
             linears = (self.inputs[j], self.blocks[j])
-            guesses = self.heads.head(j, features.repeat(len(parents), 1), embeddings, linears)
-            top = self.top_candidates(guesses)
+            read = features if len(parents) == 1 else features.repeat(len(parents), 1)
+            guesses = self.heads.head(j, read, embeddings, linears)
+            top = self.top_candidates(guesses, self.ranks_used(num_paths, depth))
             for k, parent in enumerate(parents):
                 candidates[parent] = top[k * batch : (k + 1) * batch]
         return self.proposals(seqs, num_drafts, lambda b, p: candidates[p[:-1]][b][p[-1]])

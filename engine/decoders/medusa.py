@@ -48,12 +48,14 @@ class MedusaDecoder(TrainedHeadsDecoder, Decoder):
             return {}
         normed = self.normed_features(seqs)
         # Only the heads the granted tree reaches (one draft: head 1 alone).
-        depth = max(len(path) for path in self.tree[: max(num_drafts[s] for s in seqs)])
+        num_paths = max(num_drafts[s] for s in seqs)
+        depth = max(len(path) for path in self.tree[:num_paths])
         guesses = torch.stack(
             [self.heads.block(j, normed, block) for j, block in enumerate(self.blocks[:depth])]
         )  # [heads used, B, d]
         heads, batch, width = guesses.shape
-        top = self.top_candidates(guesses.reshape(heads * batch, width))  # [head * B + b][i]
+        count = max(self.ranks_used(num_paths, d) for d in range(1, depth + 1))
+        top = self.top_candidates(guesses.reshape(heads * batch, width), count)  # [h * B + b][i]
         return self.proposals(seqs, num_drafts, lambda b, p: top[(len(p) - 1) * batch + b][p[-1]])
 
 
