@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from engine.kernels.build import available_isas, load_kernels
-from engine.models.products import candidates, product_by_name
+from engine.models.products import candidates, dequantize_rows, product_by_name
 from engine.models.quantized_linear import QuantizedLinear, StackedLinear
 from engine.models.weight_formats import FORMATS, cat_rows, dequantize_torch, read_stored
 from tests.quant_blocks import random_blocks
@@ -49,6 +49,14 @@ def test_layout_dequantizes_exactly_as_gguf(fmt):
     for isa in available_isas():
         got = torch.ops.specserve.dequantize(w.codes, w.scales, w.mins, isa)
         assert torch.equal(got, reference), isa
+        # An embedding lookup: picked rows, repeated and out of order.
+        rows = torch.tensor([w.shape[0] - 1, 0, 1, 0])
+        got = torch.ops.specserve.dequantize_rows(w.codes, w.scales, w.mins, rows, isa)
+        assert torch.equal(got, reference[rows]), isa
+    assert torch.equal(dequantize_rows(w, torch.tensor([1, 1])), reference[[1, 1]])
+    if load_kernels():
+        with pytest.raises(RuntimeError, match="out of range"):
+            dequantize_rows(w, torch.tensor([w.shape[0]]))
 
 
 def assert_product_close(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor):

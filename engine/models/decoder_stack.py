@@ -53,6 +53,7 @@ class DecoderStack:
         self.layers = layers
         self._stack = None
         self._version = None
+        self._supports: dict[int, bool] = {}  # row counts the built stack has kernels for
         self._kv_source = None
         self._kv_flat: list[torch.Tensor] = []
         self._all_layers = list(range(len(layers)))
@@ -113,7 +114,11 @@ class DecoderStack:
             return False, None
         if self._version != plans_version():
             self._stack, self._version = self._build(), plans_version()
-        if not self._stack.supports(hidden.shape[0]):
+            self._supports = {}
+        rows = hidden.shape[0]
+        if rows not in self._supports:  # a call into the TorchScript class: 30 us in a step
+            self._supports[rows] = self._stack.supports(rows)
+        if not self._supports[rows]:
             return False, None
         ids = self._all_layers if layer_ids is None else list(layer_ids)
         captured = self._stack.forward(

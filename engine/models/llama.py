@@ -23,7 +23,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.kernels.build import load_kernels
 from engine.models.decoder_stack import DecoderStack
 from engine.models.linear import Linear
-from engine.models.products import dequantize
+from engine.models.products import dequantize_rows
 from engine.models.rope import RopeFactors, RotaryEmbedding, rotate
 from engine.models.weight_formats import StoredWeight
 
@@ -215,13 +215,16 @@ class LlamaModel(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         input_ids = input_ids.to(self.final_norm.device)  # drafters may look up CPU ids
         if isinstance(self.embed_tokens, StoredWeight):
-            rows = dequantize(self.embed_tokens.select_rows(input_ids))
+            rows = dequantize_rows(self.embed_tokens, input_ids)
             return rows.to(self.dtype)
         return self.embed_tokens.index_select(0, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; logits are returned in float32."""
-        x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
+        if self.stack is not None:  # float32 on the CPU with kernels: the C++ norm
+            x = torch.ops.specserve.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
+        else:
+            x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
         return self.lm_head(x).float()
 
     def forward(

@@ -50,6 +50,15 @@ def dequantize(w: StoredWeight) -> torch.Tensor:
     return dequantize_torch(w)
 
 
+def dequantize_rows(w: StoredWeight, rows: torch.Tensor) -> torch.Tensor:
+    """Float32 [len(rows), K]: rows ``rows`` of ``w`` (an embedding lookup), in one kernel
+    call where there are kernels."""
+    isas = available_isas() if w.codes.device.type == "cpu" else []
+    if isas and rows.dtype == torch.long and rows.dim() == 1:
+        return torch.ops.specserve.dequantize_rows(w.codes, w.scales, w.mins, rows, isas[0])
+    return dequantize(w.select_rows(rows))
+
+
 def _dequant_blas(x: torch.Tensor, w: StoredWeight) -> torch.Tensor:
     n = w.shape[0]
     if n <= DEQUANT_SLICE_ROWS:
