@@ -201,6 +201,11 @@ class LlamaModel(nn.Module):
         self.lm_head = lm_head
         # All layers in one C++ call where it applies (see engine/models/decoder_stack.py).
         self.stack = DecoderStack(self.layers) if DecoderStack.usable(self.layers) else None
+        # The C++ norm before the LM head where the layers run the fused C++ ops (float32 on
+        # the CPU), whether or not a step takes the stack: the same logits either way.
+        self.fused_final_norm = len(layers) > 0 and all(
+            getattr(layer, "fused_ops", False) for layer in layers
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -221,7 +226,7 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; logits are returned in float32."""
-        if self.stack is not None:  # float32 on the CPU with kernels: the C++ norm
+        if self.fused_final_norm:
             x = torch.ops.specserve.rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
         else:
             x = rms_norm(hidden, self.final_norm, self.arch.rms_norm_eps)
