@@ -62,6 +62,33 @@ def test_paged_drafting_equals_the_unrolled_training_form(tiny_model_dir, drafte
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 
+def test_the_layer_through_the_cpp_stack_equals_the_python_layer(tiny_model_dir, drafter_dir):
+    """With int8 projections in the kernels' layout the drafter's layer runs as a one-layer
+    C++ stack; its guesses must be the Python layer's, bit for bit."""
+    from engine.kernels.build import load_kernels
+
+    if not load_kernels():
+        pytest.skip("no C++ kernels on this machine")
+    guesses = []
+    for use_stack in (True, False):
+        engine = eagle_llm(tiny_model_dir, drafter_dir).engine
+        drafter = engine.speculator.decoders["eagle"].drafter
+        assert drafter.stack is not None
+        if not use_stack:
+            drafter.stack = None
+        engine.add_request("r", PROMPTS[3][:20], SamplingParams(temperature=0, max_tokens=8))
+        engine.step()
+        (seq,) = engine.scheduler.running
+        drafter.begin_round(seq)
+        outputs = []
+        for chain in ([], [17], [17, 23]):
+            logits = drafter.forward([seq], {seq: chain}, {seq: 1}, compact=True)
+            outputs.append((drafter._logs[seq].guess.clone(), logits))
+        guesses.append(outputs)
+    for (a, la), (b, lb) in zip(*guesses, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 def drafter_network(drafter_dir):
     from engine.decoders.drafter_files import TrainedDrafter
     from engine.decoders.eagle import EagleNetwork
