@@ -40,7 +40,7 @@ from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
 from engine.models.decoder_stack import DecoderStack
-from engine.models.llama import DecoderLayer, rms_norm
+from engine.models.llama import DecoderLayer, rms_norm, rms_norm_rows
 from engine.models.rope import rotate
 
 if TYPE_CHECKING:
@@ -223,10 +223,7 @@ class EagleDrafter(ModelDrafter):
         log.append(features.detach())
 
     def _final_norm(self, features: torch.Tensor) -> torch.Tensor:
-        eps = self.model.arch.rms_norm_eps
-        if self.layer.fused_ops:  # the C++ norm: a fifth of the PyTorch ops' time per draft
-            return torch.ops.specserve.rms_norm(features, self.model.final_norm, eps)
-        return rms_norm(features, self.model.final_norm, eps)
+        return rms_norm_rows(features, self.model.final_norm, self.model.arch.rms_norm_eps)
 
     def _state(self, seq: Sequence):
         state = super()._state(seq)

@@ -18,8 +18,7 @@ from torch.nn import functional as F
 
 from engine.decoders.base import Proposal
 from engine.decoders.drafter_files import TrainedDrafter, drafter_projection
-from engine.kernels.build import load_kernels
-from engine.models.llama import rms_norm
+from engine.models.llama import rms_norm_rows
 from engine.sampling import greedy_tokens
 
 # Candidate paths kept in a tree ranking (more than any sensible k).
@@ -131,10 +130,7 @@ class TrainedHeadsDecoder:
     def normed_features(self, seqs) -> torch.Tensor:
         """[B, d] the final-normed target hidden states the heads read."""
         hidden = torch.stack([self._hidden[s] for s in seqs]).float()
-        eps, weight = self.model.arch.rms_norm_eps, self.model.final_norm.float()
-        if hidden.device.type == "cpu" and load_kernels():  # a fifth of the PyTorch ops' time
-            return torch.ops.specserve.rms_norm(hidden, weight, eps)
-        return rms_norm(hidden, weight, eps)
+        return rms_norm_rows(hidden, self.model.final_norm.float(), self.model.arch.rms_norm_eps)
 
     def top_candidates(self, guesses: torch.Tensor, count: int | None = None) -> list[list[int]]:
         """[N, d] head outputs -> each one's top ``count`` (default top_k) draft tokens (token

@@ -88,6 +88,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm`` of [rows, d] activations outside the layers (drafters' reads of the
+    target's features): the C++ norm on the CPU in float32, a fifth of the PyTorch op's time
+    between two products, else ``rms_norm``."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and load_kernels():
+        return torch.ops.specserve.rms_norm(x, weight, eps)
+    return rms_norm(x, weight, eps)
+
+
 class DecoderLayer(nn.Module):
     """Attention and SwiGLU MLP with fused q/k/v and gate/up projections."""
 
