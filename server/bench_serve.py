@@ -4,6 +4,11 @@ against ``transformers serve --continuous-batching`` on the same model.
 Reports output tokens/s over the whole load, and p50/p90/p99 of time to first token and of
 inter-token latency (gaps between content chunks). Output tokens are counted by tokenizing each
 response's text with the model's tokenizer, so both servers are measured the same way.
+
+The decoder sweep also reads ITL per token: a speculative step streams the tokens it accepted
+in one chunk, so a gap between chunks can stand for several tokens. With vLLM's continuous
+usage stats each chunk says how many tokens it covers, and its gap is shared out among them
+(SGLang's bench divides by the accepted length the same way).
 """
 
 from __future__ import annotations
@@ -30,8 +35,18 @@ TRANSFORMERS_CLI = os.path.join(os.path.dirname(sys.executable), "transformers")
 @dataclass
 class StreamResult:
     ttft: float
-    gaps: list[float]
+    gaps: list[float]  # between content chunks
     text: str
+    # One per token after the first chunk, each its chunk's gap over the chunk's tokens; empty
+    # unless the chunks carried usage so far (stream_options.continuous_usage_stats).
+    token_gaps: list[float] = field(default_factory=list)
+
+
+def shared_gaps(gap: float, tokens: int) -> list[float]:
+    """A chunk's gap shared out among the ``tokens`` it covers (at least one: a chunk with text
+    and no new token can only be text the detokenizer held back, which came with the last)."""
+    tokens = max(tokens, 1)
+    return [gap / tokens] * tokens
 
 
 @dataclass
@@ -50,7 +65,7 @@ def chat_messages(i: int) -> list[dict[str, str]]:
 
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> StreamResult:
     start = time.perf_counter()
-    ttft, last, gaps, text = None, None, [], []
+    ttft, last, gaps, text, token_gaps, counted = None, None, [], [], [], 0
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
@@ -61,13 +76,18 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> StreamR
             if not content:
                 continue
             now = time.perf_counter()
+            tokens_so_far = (chunk.get("usage") or {}).get("completion_tokens")
             if ttft is None:
                 ttft = now - start
             else:
                 gaps.append(now - last)
+                if tokens_so_far is not None:
+                    token_gaps += shared_gaps(now - last, tokens_so_far - counted)
             last = now
+            counted = tokens_so_far if tokens_so_far is not None else counted
             text.append(content)
-    return StreamResult(ttft if ttft is not None else float("nan"), gaps, "".join(text))
+    ttft = ttft if ttft is not None else float("nan")
+    return StreamResult(ttft, gaps, "".join(text), token_gaps)
 
 
 async def run_load(
@@ -318,7 +338,9 @@ def run_concurrency_sweep(
     within a minute) weighs on both alike; a row's tok/s is its tokens over its seconds summed
     over the rounds, and its ITL percentiles are over every round's gaps. The ITL p99 ratio
     (method over autoregressive) comes with its range over the rounds, each round's ratio from
-    that round's gaps alone: how much of a difference is the machine's noise."""
+    that round's gaps alone: how much of a difference is the machine's noise. ITL is read twice:
+    as gaps between chunks, and per token (each gap shared among the tokens its chunk covers),
+    which is what a drafted step's several tokens in one chunk cost each of them."""
     from engine.llm import load_tokenizer
     from engine.models.pull import resolve_model
 
@@ -370,48 +392,76 @@ def served_decoders(url: str) -> ServedDecoders:
     return ServedDecoders(card["id"], list(card["decoders"]))
 
 
+# Every chunk carries usage so far, so the sweep can share each gap among the chunk's tokens.
+PER_TOKEN_USAGE = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+
+
+@dataclass
+class SweepRow:
+    """One method's load at one concurrency, summed over the rounds."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    gaps: list[float] = field(default_factory=list)
+    token_gaps: list[float] = field(default_factory=list)
+
+    def add(self, load: LoadResult, tokenizer) -> tuple[float, float]:
+        """Adds a round; returns its own p99 of chunk gaps and of per-token gaps."""
+        self.tokens += load.output_tokens(tokenizer)
+        self.seconds += load.wall
+        gaps = [g for res in load.results for g in res.gaps]
+        token_gaps = [g for res in load.results for g in res.token_gaps]
+        self.gaps += gaps
+        self.token_gaps += token_gaps
+        return percentiles(gaps)[2], percentiles(token_gaps)[2]
+
+
 def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, max_tokens, rounds):
     """The table rows of ``run_concurrency_sweep`` against the running server at ``url``."""
     print(
         f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
-        f"autoregressive | ITL p50/p99 ms {method} | ITL p99 ratio | {method} steps plain | "
-        f"{method} mean draft length |\n|---|---|---|---|---|---|---|---|---|"
+        f"autoregressive | ITL p50/p99 ms {method} | ITL p99 ratio | per-token ITL p50/p99 ms "
+        f"autoregressive | per-token ITL p50/p99 ms {method} | per-token ITL p99 ratio | "
+        f"{method} steps plain | {method} mean draft length |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for c in concurrencies:
-        tokens = {"autoregressive": 0, method: 0}
-        seconds = {"autoregressive": 0.0, method: 0.0}
-        gaps: dict[str, list[float]] = {"autoregressive": [], method: []}
-        round_ratios = []  # each round's ITL p99 ratio: how far one round's reading strays
+        rows = {"autoregressive": SweepRow(), method: SweepRow()}
+        # Each round's p99 ratios (chunk gaps, per-token gaps): how far one round's reading
+        # strays from the row's.
+        round_ratios: tuple[list[float], list[float]] = ([], [])
         lengths_before = draft_lengths_chosen(url, method)
         for r in range(rounds):
             round_p99 = {}
             order = ("autoregressive", method) if r % 2 == 0 else (method, "autoregressive")
             for name in order:
+                extra = {"speculative": {"method": name}, **PER_TOKEN_USAGE}
                 load = asyncio.run(
-                    run_load(
-                        name, url, model, c, c * requests_per_stream, max_tokens,
-                        {"speculative": {"method": name}},
-                    )
-                )  # fmt: skip
-                tokens[name] += load.output_tokens(tokenizer)
-                seconds[name] += load.wall
-                round_gaps = [g for res in load.results for g in res.gaps]
-                gaps[name] += round_gaps
-                round_p99[name] = percentiles(round_gaps)[2]
-            ratio = round_p99[method] / round_p99["autoregressive"]
-            if not math.isnan(ratio):  # a round whose streams sent one chunk each has no gap
-                round_ratios.append(ratio)
-        rows = {n: (tokens[n] / seconds[n], percentiles(gaps[n])) for n in tokens}
+                    run_load(name, url, model, c, c * requests_per_stream, max_tokens, extra)
+                )
+                round_p99[name] = rows[name].add(load, tokenizer)
+            for i, ratios in enumerate(round_ratios):
+                ratio = round_p99[method][i] / round_p99["autoregressive"][i]
+                if not math.isnan(ratio):  # a round whose streams sent one chunk each has no gap
+                    ratios.append(ratio)
         after = draft_lengths_chosen(url, method)
         chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
-        (plain, plain_itl), (spec, spec_itl) = rows["autoregressive"], rows[method]
-        print(
-            f"| {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | "
-            f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f} | "
-            f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f} | "
-            f"{spec_itl[2] / plain_itl[2]:.2f}x {_spread(round_ratios)} | "
-            f"{policy_summary(chosen)} |"
-        )
+        plain, spec = rows["autoregressive"], rows[method]
+        rate = {n: row.tokens / row.seconds for n, row in rows.items()}
+        cells = [
+            str(c),
+            f"{rate['autoregressive']:.1f}",
+            f"{rate[method]:.1f}",
+            f"{rate[method] / rate['autoregressive']:.2f}x",
+        ]
+        for which, ratios in (("gaps", round_ratios[0]), ("token_gaps", round_ratios[1])):
+            plain_itl, spec_itl = (percentiles(getattr(row, which)) for row in (plain, spec))
+            cells += [
+                f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f}",
+                f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f}",
+                f"{spec_itl[2] / plain_itl[2]:.2f}x {_spread(ratios)}",
+            ]
+        print(f"| {' | '.join(cells)} | {policy_summary(chosen)} |")
 
 
 def _spread(ratios: list[float]) -> str:

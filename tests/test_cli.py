@@ -181,9 +181,12 @@ def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir
         if spread != "(-)":
             low, high = (float(v) for v in spread.strip("()").split("-"))
             assert 0 <= low <= high
+        # Per token: every chunk carried usage so far, so each gap was shared among its tokens.
+        assert cells[7].count("/") == 1 and cells[8].count("/") == 1
+        assert cells[9].split(" ")[0].endswith("x") and "nan" not in row
         # The policy's share of plain steps and mean draft length ("-" if it never chose).
-        assert (cells[7], cells[8]) == ("-", "-") or (
-            cells[7].endswith("%") and 0 <= float(cells[8]) <= 4
+        assert (cells[10], cells[11]) == ("-", "-") or (
+            cells[10].endswith("%") and 0 <= float(cells[11]) <= 4
         )
 
 
@@ -247,6 +250,15 @@ def test_bench_decoders_alias_runs_the_same_comparison(tiny_chat_model_dir):
         check=True,
     )
     assert "| grounded | ngram |" in result.stdout and "plot:" not in result.stdout
+
+
+def test_a_chunk_s_gap_is_shared_among_the_tokens_it_covers():
+    from server.bench_serve import shared_gaps
+
+    assert shared_gaps(0.012, 3) == [0.004, 0.004, 0.004]  # a drafted step: three tokens
+    assert shared_gaps(0.005, 1) == [0.005]
+    # Text with no new token (held back by the detokenizer, sent with the next) is one gap.
+    assert shared_gaps(0.005, 0) == [0.005]
 
 
 def test_the_sweep_s_round_spread_skips_rounds_without_gaps():
