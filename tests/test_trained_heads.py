@@ -167,3 +167,19 @@ def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(
     expected = llm.generate(PROMPTS[:2], GREEDY)
     got = trained_llm(kind, tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_hydra_s_embedding_norm_is_pytorch_s_in_drafts_and_in_training():
+    from torch.nn import functional as F
+
+    from engine.decoders.hydra import unit_rms
+
+    x = torch.randn(3, 2, 576) * 5
+    # In a draft (no autograd): the C++ norm where the kernels load, equal up to rounding.
+    torch.testing.assert_close(unit_rms(x), F.rms_norm(x, (576,)), rtol=1e-5, atol=1e-6)
+    # In training the gradient flows through it as through PyTorch's op.
+    leaf = x.clone().requires_grad_()
+    unit_rms(leaf)[:, :, 0].sum().backward()
+    expected = x.clone().requires_grad_()
+    F.rms_norm(expected, (576,))[:, :, 0].sum().backward()
+    torch.testing.assert_close(leaf.grad, expected.grad)

@@ -12,6 +12,7 @@ sampling parameter exact.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,9 +22,26 @@ from torch.nn import functional as F
 from engine.decoders.base import Decoder, TargetContext
 from engine.decoders.drafter_files import build_readout, load_drafter
 from engine.decoders.trained_heads import ResidualBlocks, TrainedHeadsDecoder, head_projection
+from engine.models.llama import rms_norm_rows
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
+
+
+def unit_rms(x: torch.Tensor) -> torch.Tensor:
+    """``F.rms_norm`` without a weight over the last dimension (its default eps). In a draft the
+    C++ norm (``rms_norm_rows``): PyTorch's op took 50-60 us of a one-draft step, its data
+    evicted by the target's sweep. Elsewhere (training's autograd, a GPU) PyTorch's op."""
+    d = x.shape[-1]
+    eps = torch.finfo(x.dtype).eps
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+        return F.rms_norm(x, (d,), eps=eps)
+    return rms_norm_rows(x.reshape(-1, d), _ones(d), eps).reshape(x.shape)
+
+
+@functools.cache
+def _ones(d: int) -> torch.Tensor:
+    return torch.ones(d)
 
 
 class HydraHeads(ResidualBlocks):
@@ -44,7 +62,7 @@ class HydraHeads(ResidualBlocks):
         """[N, d] features and [N, j + 1, d] token embeddings -> [N, d] head j outputs.
         ``linears``: head j's input projection and block as the engine runs them (default:
         the trained parameters)."""
-        e = F.rms_norm(embeddings, (embeddings.shape[-1],))
+        e = unit_rms(embeddings)
         x = torch.cat([normed, e.flatten(1)], dim=1)
         inputs, block = linears
         x = inputs(x) if inputs is not None else x @ self.inputs[j].T
