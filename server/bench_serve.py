@@ -162,18 +162,23 @@ def start_server(cmd: list[str], url: str, log_path: str, timeout: float = 300):
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
         start_new_session=True,
     )
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited early; see {log_path}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{' '.join(cmd)} did not become healthy; see {log_path}")
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited early; see {log_path}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{' '.join(cmd)} did not become healthy; see {log_path}")
+    except BaseException:
+        # Not handed back, so nobody else stops it: a timeout or a Ctrl-C while it loads must
+        # not leave a server (in its own session, out of the terminal's reach) behind.
+        stop_server(proc)
+        raise
 
 
 def stop_server(proc) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -267,3 +268,27 @@ def test_the_sweep_s_round_spread_skips_rounds_without_gaps():
     assert _spread([1.2]) == "(1.20-1.20)"
     assert _spread([0.004, 1.5]) == "(0.004-1.50)"
     assert _spread([]) == "(-)"
+
+
+def test_a_server_interrupted_while_it_loads_is_stopped_not_left_behind(tmp_path, monkeypatch):
+    import time
+
+    import server.bench_serve as bench_serve
+
+    pid_file = tmp_path / "pid"
+    sleeper = (
+        f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    )
+
+    def interrupt(*args, **kwargs):  # Ctrl-C in the wait for /health, the server running
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench_serve.httpx, "get", interrupt)
+    url = f"http://127.0.0.1:{bench_serve.free_port()}"
+    with pytest.raises(KeyboardInterrupt):
+        bench_serve.start_server([sys.executable, "-c", sleeper], url, str(tmp_path / "log"))
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # stopped and reaped
