@@ -3,7 +3,8 @@ against ``transformers serve --continuous-batching`` on the same model.
 
 Reports output tokens/s over the whole load, and p50/p90/p99 of time to first token and of
 inter-token latency (gaps between content chunks). Output tokens are counted by tokenizing each
-response's text with the model's tokenizer, so both servers are measured the same way.
+response's text with the model's tokenizer, so both servers are measured the same way; the
+decoder sweep, whose requests ask for usage, takes the server's own counts.
 
 The decoder sweep also reads ITL per token: a speculative step streams the tokens it accepted
 in one chunk, so a gap between chunks can stand for several tokens. With vLLM's continuous
@@ -40,6 +41,8 @@ class StreamResult:
     # One per token after the first chunk, each its chunk's gap over the chunk's tokens; empty
     # unless the chunks carried usage so far (stream_options.continuous_usage_stats).
     token_gaps: list[float] = field(default_factory=list)
+    # The server's own count (the last usage it sent), if it sent usage.
+    completion_tokens: int | None = None
 
 
 def shared_gaps(gap: float, tokens: int) -> list[float]:
@@ -56,6 +59,10 @@ class LoadResult:
     results: list[StreamResult] = field(default_factory=list)
 
     def output_tokens(self, tokenizer) -> int:
+        """The servers' own counts where every stream reported usage (exact, whatever model the
+        server runs); else the text re-tokenized with ``tokenizer``."""
+        if self.results and all(r.completion_tokens is not None for r in self.results):
+            return sum(r.completion_tokens for r in self.results)
         return sum(len(tokenizer.encode(r.text, add_special_tokens=False)) for r in self.results)
 
 
@@ -65,18 +72,19 @@ def chat_messages(i: int) -> list[dict[str, str]]:
 
 async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> StreamResult:
     start = time.perf_counter()
-    ttft, last, gaps, text, token_gaps, counted = None, None, [], [], [], 0
+    ttft, last, gaps, text, token_gaps, counted, reported = None, None, [], [], [], 0, None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[len("data: ") :])
+            tokens_so_far = (chunk.get("usage") or {}).get("completion_tokens")
+            reported = tokens_so_far if tokens_so_far is not None else reported
             content = "".join(c.get("delta", {}).get("content") or "" for c in chunk["choices"])
             if not content:
                 continue
             now = time.perf_counter()
-            tokens_so_far = (chunk.get("usage") or {}).get("completion_tokens")
             if ttft is None:
                 ttft = now - start
             else:
@@ -87,7 +95,7 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict) -> StreamR
             counted = tokens_so_far if tokens_so_far is not None else counted
             text.append(content)
     ttft = ttft if ttft is not None else float("nan")
-    return StreamResult(ttft, gaps, "".join(text), token_gaps)
+    return StreamResult(ttft, gaps, "".join(text), token_gaps, reported)
 
 
 async def run_load(

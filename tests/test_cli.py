@@ -262,6 +262,33 @@ def test_a_chunk_s_gap_is_shared_among_the_tokens_it_covers():
     assert shared_gaps(0.005, 0) == [0.005]
 
 
+def test_streams_that_ask_for_usage_carry_the_server_s_own_count(tiny_server):
+    import asyncio
+
+    from server.bench_serve import PER_TOKEN_USAGE, run_load
+
+    extra = {**PER_TOKEN_USAGE, "ignore_eos": True}
+    load = asyncio.run(run_load("tiny", tiny_server.url, "tiny", 2, 2, 6, extra))
+    for result in load.results:
+        assert result.completion_tokens == 6
+        # Every token after the first chunk has its share of a gap.
+        assert 1 <= len(result.token_gaps) <= 5 and all(g > 0 for g in result.token_gaps)
+
+
+def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_chat_model_dir):
+    from engine.llm import load_tokenizer
+    from server.bench_serve import LoadResult, StreamResult
+
+    tokenizer = load_tokenizer(tiny_chat_model_dir)
+    text = "Hello there, friend."
+    retokenized = len(tokenizer.encode(text, add_special_tokens=False))
+    counted = [StreamResult(0.1, [], text, [], 7), StreamResult(0.1, [], text, [], 5)]
+    assert LoadResult("x", 1.0, counted).output_tokens(tokenizer) == 12
+    # One stream without usage (a server that does not send it): the text, re-tokenized.
+    mixed = [StreamResult(0.1, [], text, [], 7), StreamResult(0.1, [], text)]
+    assert LoadResult("x", 1.0, mixed).output_tokens(tokenizer) == 2 * retokenized
+
+
 def test_the_sweep_s_round_spread_skips_rounds_without_gaps():
     from server.bench_serve import _spread
 
