@@ -353,7 +353,9 @@ def run_concurrency_sweep(
     (method over autoregressive) comes with its range over the rounds, each round's ratio from
     that round's gaps alone: how much of a difference is the machine's noise. ITL is read twice:
     as gaps between chunks, and per token (each gap shared among the tokens its chunk covers),
-    which is what a drafted step's several tokens in one chunk cost each of them."""
+    which is what a drafted step's several tokens in one chunk cost each of them. The last
+    column sets the autoregressive load's odd rounds against its even ones: identical decoding,
+    so the noise any ratio of the row has to clear."""
     from engine.llm import load_tokenizer
     from engine.models.pull import resolve_model
 
@@ -417,16 +419,31 @@ class SweepRow:
     seconds: float = 0.0
     gaps: list[float] = field(default_factory=list)
     token_gaps: list[float] = field(default_factory=list)
+    rounds: list[tuple[int, float, list[float]]] = field(default_factory=list)  # each round's
 
     def add(self, load: LoadResult, tokenizer) -> tuple[float, float]:
         """Adds a round; returns its own p99 of chunk gaps and of per-token gaps."""
-        self.tokens += load.output_tokens(tokenizer)
+        tokens = load.output_tokens(tokenizer)
+        self.tokens += tokens
         self.seconds += load.wall
         gaps = [g for res in load.results for g in res.gaps]
         token_gaps = [g for res in load.results for g in res.token_gaps]
         self.gaps += gaps
         self.token_gaps += token_gaps
+        self.rounds.append((tokens, load.wall, token_gaps))
         return percentiles(gaps)[2], percentiles(token_gaps)[2]
+
+    def against_itself(self) -> str:
+        """The same load compared with itself: tok/s and per-token ITL p99 of the odd rounds
+        over the even ones ("-" with fewer than two rounds). Identical work, so whatever it
+        reads is the machine's noise (and the order within a round), the yardstick for the
+        row's ratios."""
+        halves = [self.rounds[1::2], self.rounds[0::2]]
+        if not all(halves):
+            return "-"
+        rate = [sum(t for t, _, _ in h) / sum(s for _, s, _ in h) for h in halves]
+        p99 = [percentiles([g for _, _, gaps in h for g in gaps])[2] for h in halves]
+        return f"{rate[0] / rate[1]:.2f}x / {p99[0] / p99[1]:.2f}x"
 
 
 def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, max_tokens, rounds):
@@ -435,8 +452,9 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
         f"| streams | autoregressive tok/s | {method} tok/s | ratio | ITL p50/p99 ms "
         f"autoregressive | ITL p50/p99 ms {method} | ITL p99 ratio | per-token ITL p50/p99 ms "
         f"autoregressive | per-token ITL p50/p99 ms {method} | per-token ITL p99 ratio | "
-        f"{method} steps plain | {method} mean draft length |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        f"{method} steps plain | {method} mean draft length | autoregressive against itself: "
+        "tok/s / per-token ITL p99 (odd over even rounds) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for c in concurrencies:
         rows = {"autoregressive": SweepRow(), method: SweepRow()}
@@ -474,7 +492,7 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
                 f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f}",
                 f"{spec_itl[2] / plain_itl[2]:.2f}x {_spread(ratios)}",
             ]
-        print(f"| {' | '.join(cells)} | {policy_summary(chosen)} |")
+        print(f"| {' | '.join(cells)} | {policy_summary(chosen)} | {plain.against_itself()} |")
 
 
 def _spread(ratios: list[float]) -> str:

@@ -189,6 +189,9 @@ def test_bench_serve_compares_a_decoder_across_concurrencies(tiny_chat_model_dir
         assert (cells[10], cells[11]) == ("-", "-") or (
             cells[10].endswith("%") and 0 <= float(cells[11]) <= 4
         )
+        # Autoregressive decoding against itself over the 3 rounds: "tok/s ratio / p99 ratio".
+        itself = cells[12].split(" / ")
+        assert len(itself) == 2 and all(float(r.rstrip("x")) > 0 for r in itself)
 
 
 def test_bench_offline_decoder_reports_speedup_identity_and_plot(tiny_chat_model_dir, tmp_path):
@@ -287,6 +290,19 @@ def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_cha
     # One stream without usage (a server that does not send it): the text, re-tokenized.
     mixed = [StreamResult(0.1, [], text, [], 7), StreamResult(0.1, [], text)]
     assert LoadResult("x", 1.0, mixed).output_tokens(tokenizer) == 2 * retokenized
+
+
+def test_the_sweep_sets_a_load_against_itself_odd_rounds_over_even():
+    from server.bench_serve import SweepRow
+
+    row = SweepRow()
+    assert row.against_itself() == "-"  # no rounds
+    row.rounds = [(100, 1.0, [0.010, 0.012])]
+    assert row.against_itself() == "-"  # one round: nothing to set it against
+    # Rounds 1 and 3 (even: 100 tokens a second, p99 12 ms) against round 2 (odd: 90 tokens a
+    # second, p99 15 ms).
+    row.rounds = [(100, 1.0, [0.010, 0.012]), (90, 1.0, [0.011, 0.015]), (50, 0.5, [0.012])]
+    assert row.against_itself() == "0.90x / 1.25x"
 
 
 def test_the_sweep_s_round_spread_skips_rounds_without_gaps():
