@@ -354,8 +354,8 @@ def run_concurrency_sweep(
     that round's gaps alone: how much of a difference is the machine's noise. ITL is read twice:
     as gaps between chunks, and per token (each gap shared among the tokens its chunk covers),
     which is what a drafted step's several tokens in one chunk cost each of them. The last
-    column sets the autoregressive load's odd rounds against its even ones: identical decoding,
-    so the noise any ratio of the row has to clear."""
+    column sets the autoregressive load's rounds that ran second against those that ran first:
+    identical decoding, so the noise any ratio of the row has to clear."""
     from engine.llm import load_tokenizer
     from engine.models.pull import resolve_model
 
@@ -434,9 +434,10 @@ class SweepRow:
         return percentiles(gaps)[2], percentiles(token_gaps)[2]
 
     def against_itself(self) -> str:
-        """The same load compared with itself: tok/s and per-token ITL p99 of the odd rounds
-        over the even ones ("-" with fewer than two rounds). Identical work, so whatever it
-        reads is the machine's noise (and the order within a round), the yardstick for the
+        """The same load compared with itself: tok/s and per-token ITL p99 of rounds 2, 4, ...
+        over rounds 1, 3, ... (in the sweep, the autoregressive load's rounds run second
+        against those run first); "-" with fewer than two rounds. Identical work, so whatever
+        it reads is the machine's noise and the order within a round, the yardstick for the
         row's ratios."""
         halves = [self.rounds[1::2], self.rounds[0::2]]
         if not all(halves):
@@ -453,7 +454,7 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
         f"autoregressive | ITL p50/p99 ms {method} | ITL p99 ratio | per-token ITL p50/p99 ms "
         f"autoregressive | per-token ITL p50/p99 ms {method} | per-token ITL p99 ratio | "
         f"{method} steps plain | {method} mean draft length | autoregressive against itself: "
-        "tok/s / per-token ITL p99 (odd over even rounds) |\n"
+        "tok/s / per-token ITL p99 (run second over run first) |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for c in concurrencies:

@@ -292,15 +292,15 @@ def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_cha
     assert LoadResult("x", 1.0, mixed).output_tokens(tokenizer) == 2 * retokenized
 
 
-def test_the_sweep_sets_a_load_against_itself_odd_rounds_over_even():
+def test_the_sweep_sets_a_load_against_itself_later_rounds_over_earlier():
     from server.bench_serve import SweepRow
 
     row = SweepRow()
     assert row.against_itself() == "-"  # no rounds
     row.rounds = [(100, 1.0, [0.010, 0.012])]
     assert row.against_itself() == "-"  # one round: nothing to set it against
-    # Rounds 1 and 3 (even: 100 tokens a second, p99 12 ms) against round 2 (odd: 90 tokens a
-    # second, p99 15 ms).
+    # Round 2 (90 tokens a second, p99 15 ms) over rounds 1 and 3 (100 tokens a second, p99
+    # 12 ms).
     row.rounds = [(100, 1.0, [0.010, 0.012]), (90, 1.0, [0.011, 0.015]), (50, 0.5, [0.012])]
     assert row.against_itself() == "0.90x / 1.25x"
 
