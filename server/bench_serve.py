@@ -412,26 +412,33 @@ PER_TOKEN_USAGE = {"stream_options": {"include_usage": True, "continuous_usage_s
 
 
 @dataclass
-class SweepRow:
-    """One method's load at one concurrency, summed over the rounds."""
+class SweepRound:
+    tokens: int
+    seconds: float
+    gaps: list[float]  # between chunks
+    token_gaps: list[float]  # per token
 
-    tokens: int = 0
-    seconds: float = 0.0
-    gaps: list[float] = field(default_factory=list)
-    token_gaps: list[float] = field(default_factory=list)
-    rounds: list[tuple[int, float, list[float]]] = field(default_factory=list)  # each round's
+
+@dataclass
+class SweepRow:
+    """One method's load at one concurrency: its rounds, and their sums."""
+
+    rounds: list[SweepRound] = field(default_factory=list)
 
     def add(self, load: LoadResult, tokenizer) -> tuple[float, float]:
         """Adds a round; returns its own p99 of chunk gaps and of per-token gaps."""
-        tokens = load.output_tokens(tokenizer)
-        self.tokens += tokens
-        self.seconds += load.wall
         gaps = [g for res in load.results for g in res.gaps]
         token_gaps = [g for res in load.results for g in res.token_gaps]
-        self.gaps += gaps
-        self.token_gaps += token_gaps
-        self.rounds.append((tokens, load.wall, token_gaps))
+        self.rounds.append(SweepRound(load.output_tokens(tokenizer), load.wall, gaps, token_gaps))
         return percentiles(gaps)[2], percentiles(token_gaps)[2]
+
+    @property
+    def rate(self) -> float:
+        return sum(r.tokens for r in self.rounds) / sum(r.seconds for r in self.rounds)
+
+    def all(self, which: str) -> list[float]:
+        """Every round's ``gaps`` or ``token_gaps``."""
+        return [g for r in self.rounds for g in getattr(r, which)]
 
     def against_itself(self) -> str:
         """The same load compared with itself: tok/s and per-token ITL p99 of rounds 2, 4, ...
@@ -439,12 +446,12 @@ class SweepRow:
         against those run first); "-" with fewer than two rounds. Identical work, so whatever
         it reads is the machine's noise and the order within a round, the yardstick for the
         row's ratios."""
-        halves = [self.rounds[1::2], self.rounds[0::2]]
-        if not all(halves):
+        halves = [SweepRow(self.rounds[1::2]), SweepRow(self.rounds[0::2])]
+        if not all(h.rounds for h in halves):
             return "-"
-        rate = [sum(t for t, _, _ in h) / sum(s for _, s, _ in h) for h in halves]
-        p99 = [percentiles([g for _, _, gaps in h for g in gaps])[2] for h in halves]
-        return f"{rate[0] / rate[1]:.2f}x / {p99[0] / p99[1]:.2f}x"
+        later, earlier = halves
+        p99 = [percentiles(h.all("token_gaps"))[2] for h in halves]
+        return f"{later.rate / earlier.rate:.2f}x / {p99[0] / p99[1]:.2f}x"
 
 
 def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, max_tokens, rounds):
@@ -479,7 +486,7 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
         after = draft_lengths_chosen(url, method)
         chosen = {k: after[k] - lengths_before.get(k, 0.0) for k in after}
         plain, spec = rows["autoregressive"], rows[method]
-        rate = {n: row.tokens / row.seconds for n, row in rows.items()}
+        rate = {n: row.rate for n, row in rows.items()}
         cells = [
             str(c),
             f"{rate['autoregressive']:.1f}",
@@ -487,7 +494,7 @@ def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, ma
             f"{rate[method] / rate['autoregressive']:.2f}x",
         ]
         for which, ratios in (("gaps", round_ratios[0]), ("token_gaps", round_ratios[1])):
-            plain_itl, spec_itl = (percentiles(getattr(row, which)) for row in (plain, spec))
+            plain_itl, spec_itl = (percentiles(row.all(which)) for row in (plain, spec))
             cells += [
                 f"{plain_itl[0] * 1e3:.1f} / {plain_itl[2] * 1e3:.1f}",
                 f"{spec_itl[0] * 1e3:.1f} / {spec_itl[2] * 1e3:.1f}",

@@ -293,15 +293,18 @@ def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_cha
 
 
 def test_the_sweep_sets_a_load_against_itself_later_rounds_over_earlier():
-    from server.bench_serve import SweepRow
+    from server.bench_serve import SweepRound, SweepRow
+
+    def rounds(*specs):
+        return [SweepRound(tokens, seconds, [], gaps) for tokens, seconds, gaps in specs]
 
     row = SweepRow()
     assert row.against_itself() == "-"  # no rounds
-    row.rounds = [(100, 1.0, [0.010, 0.012])]
+    row.rounds = rounds((100, 1.0, [0.010, 0.012]))
     assert row.against_itself() == "-"  # one round: nothing to set it against
     # Round 2 (90 tokens a second, p99 15 ms) over rounds 1 and 3 (100 tokens a second, p99
     # 12 ms).
-    row.rounds = [(100, 1.0, [0.010, 0.012]), (90, 1.0, [0.011, 0.015]), (50, 0.5, [0.012])]
+    row.rounds = rounds((100, 1.0, [0.010, 0.012]), (90, 1.0, [0.011, 0.015]), (50, 0.5, [0.012]))
     assert row.against_itself() == "0.90x / 1.25x"
 
 
