@@ -1,4 +1,5 @@
-"""The ``specserve`` command line.
+"""The runtime's command line: ``python -m server.cli pull|generate|serve``; the ``specserve``
+command (``tooling.cli``) adds the tooling's subcommands to it.
 
 One small ``add_<name>_parser(subparsers)`` function per subcommand registers its arguments and
 sets ``func`` to the function that runs it; ``main`` builds the parser from them. Heavy modules
@@ -11,13 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from server.cli_bench import add_bench_parser
 from server.cli_generate import add_generate_parser
 from server.cli_serve import add_serve_parser
-from server.cli_train import add_train_parser
-from server.cli_tune import add_tune_parser
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
@@ -47,7 +45,10 @@ def add_pull_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_pull)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(extra: Sequence[Callable] = ()) -> argparse.ArgumentParser:
+    """The parser of the runtime's commands (pull, generate, serve), and of the subcommands
+    each ``extra`` registers (the tooling adds bench, tune and train this way, so the runtime
+    never imports it)."""
     parser = argparse.ArgumentParser(
         prog="specserve",
         description="OpenAI-compatible inference server for lossless speculative decoding.",
@@ -55,15 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_pull_parser(subparsers)
     add_generate_parser(subparsers)
-    add_bench_parser(subparsers)
     add_serve_parser(subparsers)
-    add_tune_parser(subparsers)
-    add_train_parser(subparsers)
+    for add_parser in extra:
+        add_parser(subparsers)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: Sequence[str] | None = None, extra: Sequence[Callable] = ()) -> int:
+    parser = build_parser(extra)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

@@ -1,4 +1,4 @@
-"""The llama.cpp baseline of `specserve bench offline` (engine/tools/bench_llamacpp.py).
+"""The llama.cpp baseline of `specserve bench offline` (tooling/bench/bench_llamacpp.py).
 
 The real tests run llama-cpp-python on SmolLM2's GGUF file: the one in the model directory, or
 ``$SPECSERVE_TEST_GGUF``. They decode a few tokens and never assert timings.
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine.models.gguf_weights import find_gguf
-from engine.tools.bench import print_table
-from engine.tools.bench_llamacpp import (
+from tooling.bench.bench import print_table
+from tooling.bench.bench_llamacpp import (
     BATCH_NOTE,
     INSTALL_NOTE,
     NO_GGUF_NOTE,

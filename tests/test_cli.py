@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SPECSERVE = [sys.executable, "-m", "server.cli"]
+SPECSERVE = [sys.executable, "-m", "tooling.cli"]
 
 
 @pytest.mark.real_model
@@ -257,7 +257,7 @@ def test_bench_decoders_alias_runs_the_same_comparison(tiny_chat_model_dir):
 
 
 def test_a_chunk_s_gap_is_shared_among_the_tokens_it_covers():
-    from server.bench_serve import shared_gaps
+    from tooling.bench.bench_serve import shared_gaps
 
     assert shared_gaps(0.012, 3) == [0.004, 0.004, 0.004]  # a drafted step: three tokens
     assert shared_gaps(0.005, 1) == [0.005]
@@ -268,7 +268,7 @@ def test_a_chunk_s_gap_is_shared_among_the_tokens_it_covers():
 def test_streams_that_ask_for_usage_carry_the_server_s_own_count(tiny_server):
     import asyncio
 
-    from server.bench_serve import PER_TOKEN_USAGE, run_load
+    from tooling.bench.bench_serve import PER_TOKEN_USAGE, run_load
 
     extra = {**PER_TOKEN_USAGE, "ignore_eos": True}
     load = asyncio.run(run_load("tiny", tiny_server.url, "tiny", 2, 2, 6, extra))
@@ -280,7 +280,7 @@ def test_streams_that_ask_for_usage_carry_the_server_s_own_count(tiny_server):
 
 def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_chat_model_dir):
     from engine.llm import load_tokenizer
-    from server.bench_serve import LoadResult, StreamResult
+    from tooling.bench.bench_serve import LoadResult, StreamResult
 
     tokenizer = load_tokenizer(tiny_chat_model_dir)
     text = "Hello there, friend."
@@ -293,7 +293,7 @@ def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_cha
 
 
 def test_the_sweep_sets_a_load_against_itself_later_rounds_over_earlier():
-    from server.bench_serve import SweepRound, SweepRow
+    from tooling.bench.bench_serve import SweepRound, SweepRow
 
     def rounds(*specs):
         return [SweepRound(tokens, seconds, [], gaps) for tokens, seconds, gaps in specs]
@@ -309,7 +309,7 @@ def test_the_sweep_sets_a_load_against_itself_later_rounds_over_earlier():
 
 
 def test_the_sweep_s_round_spread_skips_rounds_without_gaps():
-    from server.bench_serve import _spread
+    from tooling.bench.bench_serve import _spread
 
     assert _spread([1.2]) == "(1.20-1.20)"
     assert _spread([0.004, 1.5]) == "(0.004-1.50)"
@@ -319,7 +319,7 @@ def test_the_sweep_s_round_spread_skips_rounds_without_gaps():
 def test_a_server_interrupted_while_it_loads_is_stopped_not_left_behind(tmp_path, monkeypatch):
     import time
 
-    import server.bench_serve as bench_serve
+    import tooling.bench.bench_serve as bench_serve
 
     pid_file = tmp_path / "pid"
     sleeper = (

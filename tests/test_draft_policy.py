@@ -304,7 +304,7 @@ def test_its_choices_reach_prometheus_and_survive_an_engine_restart(tiny_model_d
         assert line in text, text
     assert "specserve:spec_policy_predicted_step_seconds{" in text
     # What the serving bench reads back from /metrics, and its summary column.
-    from server.bench_serve import parse_draft_lengths, policy_summary
+    from tooling.bench.bench_serve import parse_draft_lengths, policy_summary
 
     assert parse_draft_lengths(text, "ngram") == dict(enumerate(map(float, counts)))
     assert parse_draft_lengths(text, "eagle") == {}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
+from tooling.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
 from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_eagle_drafter
 
@@ -109,7 +109,7 @@ def test_entries_read_the_target_features_once_verified(tiny_model_dir, drafter_
     # the first entry to recompute on are kept, up to the newest token's predecessor.
     assert log.start == state.num_cached - 1
     assert log.start + len(log.features) == seq.num_tokens - 1
-    from engine.training.self_distillation import sequence_features
+    from tooling.training.self_distillation import sequence_features
 
     (reference,) = sequence_features(engine.model, [seq.token_ids[:-1]])
     torch.testing.assert_close(log.features, reference[log.start :], atol=1e-4, rtol=1e-4)
@@ -170,7 +170,7 @@ def test_steps_without_drafts_run_plain_and_still_hand_out_features(tiny_model_d
     (seq,) = engine.scheduler.running
     log = drafter._logs[seq]
     assert log.start + len(log.features) == seq.num_tokens - 1  # no step's features missed
-    from engine.training.self_distillation import sequence_features
+    from tooling.training.self_distillation import sequence_features
 
     (reference,) = sequence_features(engine.model, [seq.token_ids[:-1]])
     torch.testing.assert_close(log.features, reference[log.start :], atol=1e-4, rtol=1e-4)

@@ -13,7 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.speculative_options import SpeculativeOptions
-from engine.training.self_distillation import final_features, generate_answers, sequence_features
+from tooling.training.self_distillation import final_features, generate_answers, sequence_features
 from tests.decoder_checks import GREEDY, PROMPTS
 
 

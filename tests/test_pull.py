@@ -31,7 +31,7 @@ from engine.models.pull import (
     pull_model,
     resolve_model,
 )
-from server.cli import main as cli_main
+from tooling.cli import main as cli_main
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.tools.tune_layerskip import (
+from tooling.bench.tune_layerskip import (
     GreedyMismatchError,
     LayerSkipTuner,
     SkipSet,
@@ -25,7 +25,7 @@ from engine.tools.tune_layerskip import (
 )
 
 PROMPTS = [[5, 17, 42, 99, 7, 250, 31], [3, 8, 100, 200, 31, 64], [11, 12, 13, 14, 15]]
-SPECSERVE = [sys.executable, "-m", "server.cli"]
+SPECSERVE = [sys.executable, "-m", "tooling.cli"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,7 +108,7 @@ def test_no_draft_beating_autoregressive_is_reported_honestly(tuner):
 
 
 def test_a_draft_changing_greedy_tokens_stops_the_run(tuner, monkeypatch):
-    import engine.tools.tune_layerskip as tune
+    import tooling.bench.tune_layerskip as tune
 
     def measure_set_with_a_wrong_draft(*args):
         results = measure_set(*args)

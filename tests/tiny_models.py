@@ -73,7 +73,7 @@ def save_heads_drafter(model_dir: Path, path: Path, kind: str = "medusa", num_he
     import torch
 
     from engine.decoders.drafter_files import TrainedDrafter
-    from engine.training.train_heads import HEADS
+    from tooling.training.train_heads import HEADS
 
     config = json.loads((model_dir / "config.json").read_text())
     hidden, vocab = config["hidden_size"], config["vocab_size"]

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from engine.decoders.drafter_files import TrainedDrafter, target_signature
-from engine.training.self_distillation import progress_bar
+from tooling.training.self_distillation import progress_bar
 
 CHECKPOINT_FILE = "checkpoint.pt"
 
@@ -94,7 +94,7 @@ def write_drafter(
             "command": f"specserve train {kind}",
             "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
             "data": "answers of the target itself to specserve's own prompts "
-            "(engine/training/prompts.py)",
+            "(tooling/training/prompts.py)",
             "training_answer_tokens": num_answer_tokens,
             "resumed_after_epoch": run.first_epoch,
             "epoch_losses": run.epoch_losses,

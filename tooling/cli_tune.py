@@ -17,7 +17,7 @@ def _k_range(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _cmd_tune_layerskip(args: argparse.Namespace) -> int:
-    from engine.tools.tune_layerskip import TuneOptions, run_tune_layerskip
+    from tooling.bench.tune_layerskip import TuneOptions, run_tune_layerskip
 
     if args.decoder not in (None, "layerskip"):
         raise ValueError("tune layerskip always tunes the layerskip decoder: drop --decoder")

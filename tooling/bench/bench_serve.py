@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.tools.bench import TOPICS
+from tooling.bench.bench import TOPICS
 
 TRANSFORMERS_CLI = os.path.join(os.path.dirname(sys.executable), "transformers")
 
@@ -260,7 +260,7 @@ def run_serve_bench(
         cmd = [
             sys.executable,
             "-m",
-            "server.cli",
+            "tooling.cli",
             "serve",
             "--port",
             str(port),
@@ -365,7 +365,7 @@ def run_concurrency_sweep(
     if url is None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "server.cli", "serve", "--port", str(port), "--model",
+        cmd = [sys.executable, "-m", "tooling.cli", "serve", "--port", str(port), "--model",
                model_dir, "--served-model-name", "bench"]  # fmt: skip
         cmd += ["--config", config] if config else ["--decoder", method]
         where = f"config {config or '--decoder ' + method}"

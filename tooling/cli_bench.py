@@ -10,7 +10,7 @@ from server.cli_generate import add_model_arguments, engine_config_from_args
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
     if args.decoder:  # the decoder comparison: --decoder all, or variant names
         return _run_decoder_bench(args, args.decoder)
-    from engine.tools.bench import LlamaCppOptions, run_offline
+    from tooling.bench.bench import LlamaCppOptions, run_offline
 
     run_offline(
         engine_config_from_args(args),
@@ -24,7 +24,7 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_linear(args: argparse.Namespace) -> int:
-    from engine.tools.bench_linear import run_linear_bench, run_stored_linear_bench
+    from tooling.bench.bench_linear import run_linear_bench, run_stored_linear_bench
 
     if args.dense:
         run_linear_bench()
@@ -34,7 +34,7 @@ def _cmd_bench_linear(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
-    from server.bench_serve import LoadSpec, run_concurrency_sweep, run_serve_bench
+    from tooling.bench.bench_serve import LoadSpec, run_concurrency_sweep, run_serve_bench
 
     if args.url and args.config:
         raise ValueError("--config configures a server the bench starts; not with --url")
@@ -55,7 +55,7 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_constraints(args: argparse.Namespace) -> int:
-    from engine.tools.bench_constraints import run_constraints_bench
+    from tooling.bench.bench_constraints import run_constraints_bench
 
     decoders = [d.strip() for d in args.decoders.split(",") if d.strip()]
     run_constraints_bench(engine_config_from_args(args), decoders, args.max_tokens)
@@ -67,7 +67,7 @@ def _cmd_bench_decoders(args: argparse.Namespace) -> int:
 
 
 def _run_decoder_bench(args: argparse.Namespace, variants: str) -> int:
-    from engine.tools.bench_decoders import DecoderBenchOptions, run_decoder_bench
+    from tooling.bench.bench_decoders import DecoderBenchOptions, run_decoder_bench
 
     # --decoder names variants here, not the engine's decoder: the base config keeps its own.
     config = engine_config_from_args(argparse.Namespace(**{**vars(args), "decoder": None}))

@@ -1,7 +1,7 @@
 """``specserve train medusa|hydra``: draft heads on the frozen target, by self-distillation.
 
-1. Data: our own prompts (``engine.training.prompts``) answered by the target, and its hidden
-   states along the answers (``engine.training.self_distillation``); cached in the output
+1. Data: our own prompts (``tooling.training.prompts``) answered by the target, and its hidden
+   states along the answers (``tooling.training.self_distillation``); cached in the output
    directory, so ``--resume`` (or a second run) skips it.
 2. Draft vocabulary: the answer tokens the target writes most, covering nearly all of them.
 3. Training: head j learns the token j + 2 places after each position (cross-entropy on the
@@ -24,9 +24,9 @@ from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.hydra import HydraHeads
 from engine.decoders.medusa import MedusaHeads
 from engine.decoders.trained_heads import rank_tree
-from engine.training.epochs import TrainingRun, train_epochs, write_drafter
-from engine.training.prompts import train_and_held_out
-from engine.training.self_distillation import answer_features, cached_answers, cached_features
+from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.prompts import train_and_held_out
+from tooling.training.self_distillation import answer_features, cached_answers, cached_features
 
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 

@@ -20,9 +20,9 @@ import torch
 
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
-from engine.training.epochs import TrainingRun, train_epochs, write_drafter
-from engine.training.prompts import train_and_held_out
-from engine.training.self_distillation import (
+from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.prompts import train_and_held_out
+from tooling.training.self_distillation import (
     answer_mask,
     cached_answers,
     cached_features,
@@ -30,7 +30,7 @@ from engine.training.self_distillation import (
     progress_bar,
     sequence_features,
 )
-from engine.training.train_heads import draft_vocabulary
+from tooling.training.train_heads import draft_vocabulary
 
 
 @dataclass

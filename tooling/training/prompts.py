@@ -2,7 +2,7 @@
 questions: those are how we and our users measure, and must stay unseen).
 
 Chat requests are built from task templates and subjects, both written here; the model's own
-answers to them (``engine.training.self_distillation``) are what a drafter learns to predict.
+answers to them (``tooling.training.self_distillation``) are what a drafter learns to predict.
 The held-out split is taken from the same generator with another seed and checked disjoint.
 """
 

@@ -44,7 +44,7 @@ import yaml
 
 from engine.config import DecoderConfig, EngineConfig
 from engine.llm import LLM
-from engine.tools.bench_decoders import (
+from tooling.bench.bench_decoders import (
     PROMPT_SETS,
     DecoderResult,
     StepTimer,

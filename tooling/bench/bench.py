@@ -2,7 +2,7 @@
 
 Prints decode tokens/s at batch 1 and batch N, time to first token for a long prompt, the
 same figures for transformers and for llama.cpp (on the model's GGUF file,
-engine/tools/bench_llamacpp.py) on the same prompts, their ratios, and the memory-bandwidth floor
+tooling/bench/bench_llamacpp.py) on the same prompts, their ratios, and the memory-bandwidth floor
 of a decode step (weight bytes / measured read bandwidth).
 """
 
@@ -18,7 +18,7 @@ import torch
 from engine.llm import LLM
 from engine.models.gguf_weights import find_gguf
 from engine.sampling import SamplingParams
-from engine.tools.bench_llamacpp import LlamaCppFigures, llamacpp_baseline
+from tooling.bench.bench_llamacpp import LlamaCppFigures, llamacpp_baseline
 
 TOPICS = [
     "a robot who learns to paint",

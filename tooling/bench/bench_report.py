@@ -1,4 +1,4 @@
-"""The decoder benchmark's report (engine/tools/bench_decoders.py measures): the table, why each
+"""The decoder benchmark's report (tooling/bench/bench_decoders.py measures): the table, why each
 variant slower than autoregressive is slower, and the plot of speedups, a PNG drawn with
 matplotlib's Agg backend (no display needed) for docs/.
 

@@ -35,19 +35,19 @@ def _common_options(args: argparse.Namespace) -> dict:
     }
 
 
-def _training_llm(args: argparse.Namespace):
-    """The target, alone (no decoder), with room for the answers' batches."""
+def _training_llm(args: argparse.Namespace, batch: int = 64):
+    """The target, alone (no decoder), with room for ``batch`` sequences at a time."""
     from engine.llm import LLM
 
     config = engine_config_from_args(args).with_overrides(
         decoder={"method": "autoregressive", "extra_methods": [], "load_shipped_drafters": False},
-        scheduler={"max_num_seqs": 64, "max_num_batched_tokens": 4096},
+        scheduler={"max_num_seqs": batch, "max_num_batched_tokens": max(4096, 16 * batch)},
     )
     return LLM(config=config)
 
 
 def _cmd_train_eagle(args: argparse.Namespace) -> int:
-    from engine.training.train_eagle import EagleTrainOptions, run_train_eagle
+    from tooling.training.train_eagle import EagleTrainOptions, run_train_eagle
 
     common = _common_options(args)
     if args.depth < 1:
@@ -57,7 +57,7 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_kangaroo(args: argparse.Namespace) -> int:
-    from engine.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
+    from tooling.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
 
     options = KangarooTrainOptions(exit_layer=args.exit_layer, **_common_options(args))
     run_train_kangaroo(_training_llm(args), options)
@@ -65,7 +65,7 @@ def _cmd_train_kangaroo(args: argparse.Namespace) -> int:
 
 
 def _cmd_train_heads(args: argparse.Namespace) -> int:
-    from engine.training.train_heads import HeadsTrainOptions, run_train_heads
+    from tooling.training.train_heads import HeadsTrainOptions, run_train_heads
 
     common = _common_options(args)
     if args.heads < 1:
@@ -75,9 +75,84 @@ def _cmd_train_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_token_count(text: str) -> int:
+    """``10M``, ``2.5M``, ``400k`` or ``123456`` as a number of tokens."""
+    scale = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}.get(text[-1:].lower(), 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 10M, 400k)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a token count must be >= 1, got {text!r}")
+    return int(value)
+
+
+def _cmd_train_data(args: argparse.Namespace) -> int:
+    from engine.decoders.drafter_files import target_signature
+    from engine.models.pull import cache_dir
+    from tooling.training.self_distillation import progress_bar
+    from tooling.training.shards import Recipe, build
+
+    temperatures = tuple(float(t) for t in args.temperatures.split(",") if t)
+    if args.answers < 1 or args.shard_requests < 1 or args.batch < 1:
+        raise ValueError("--answers, --shard-requests and --batch must be >= 1")
+    if args.answers > 1 and (not temperatures or min(temperatures) <= 0):
+        raise ValueError("--temperatures: one or more values > 0 for the sampled answers")
+    llm = _training_llm(args, batch=args.batch)
+    model_name = Path(str(llm.model_dir)).name
+    root = Path(args.output) if args.output else cache_dir() / "training-data" / model_name
+    recipe = Recipe(
+        target=target_signature(llm.engine.model) | {"model": model_name},
+        seed=args.seed,
+        shard_requests=args.shard_requests,
+        answers_per_request=args.answers,
+        temperatures=temperatures,
+        max_tokens=args.max_tokens,
+        follow_up_max_tokens=args.follow_up_max_tokens,
+        follow_up_share=args.follow_up_share,
+    )
+    with progress_bar(args.tokens, "answer tokens") as bar:
+        bar.unit, bar.unit_scale = "tok", True
+        total = build(llm, root, recipe, args.tokens, args.held_out_shards, bar.update)
+    print(f"{root}: {total:,} training answer tokens")
+    return 0
+
+
+def _add_data_parser(which) -> None:
+    p = which.add_parser(
+        "data",
+        help="build the self-distillation set (resumable shards) that drafters train on",
+        description=(
+            "The target answers specserve's own requests (many tasks, formats and subjects; "
+            "no benchmark prompt), each several times (greedy, then sampled at --temperatures), "
+            "a share of them continued by a follow-up turn, batched at the engine's speed; "
+            "shards of conversations with the target's features along them go under --output "
+            "(default: the cache directory). Interrupt it at any time: a rerun with the same "
+            "options continues where it stopped and makes the same data."
+        ),
+    )
+    add_model_arguments(p)
+    p.add_argument("--tokens", type=parse_token_count, default=10_000_000,
+                   help="training answer tokens to reach, e.g. 10M (default) or 400k")  # fmt: skip
+    p.add_argument("--output", help="data directory (default: <cache>/training-data/<model>)")
+    p.add_argument("--batch", type=int, default=64, help="sequences decoded together")
+    p.add_argument("--shard-requests", type=int, default=128, help="requests per shard")
+    p.add_argument("--answers", type=int, default=2, help="answers per request (first greedy)")
+    p.add_argument("--temperatures", default="0.7,1.0", help="of the sampled answers, in turn")
+    p.add_argument("--max-tokens", type=int, default=384, help="first answer's length")
+    p.add_argument("--follow-up-max-tokens", type=int, default=256)
+    p.add_argument("--follow-up-share", type=float, default=0.25,
+                   help="share of requests continued by a follow-up turn")  # fmt: skip
+    p.add_argument("--held-out-shards", type=int, default=1,
+                   help="shards on subjects training never sees")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train_data)
+
+
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a drafter for the model (self-distillation)")
     which = p.add_subparsers(dest="train", metavar="DRAFTER", required=True)
+    _add_data_parser(which)
     descriptions = {
         "medusa": "K Medusa heads learn the tokens 2..K+1 places ahead from the hidden state",
         "hydra": "K Hydra heads learn the tokens 2..K+1 places ahead from the hidden state and "

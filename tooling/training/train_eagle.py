@@ -1,6 +1,6 @@
 """``specserve train eagle``: EAGLE's one-layer feature-level drafter, by self-distillation.
 
-1. Data: our own prompts answered by the target (``engine.training.self_distillation``, shared
+1. Data: our own prompts answered by the target (``tooling.training.self_distillation``, shared
    with the heads' training through ``answers.pt``), and one teacher-forced pass over every
    prompt + answer for the target's final-normed features at every position (cached in
    ``features.pt``, so ``--resume`` skips both).
@@ -26,16 +26,16 @@ from torch.nn import functional as F
 
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.eagle import EagleNetwork
-from engine.training.epochs import TrainingRun, train_epochs, write_drafter
-from engine.training.prompts import train_and_held_out
-from engine.training.self_distillation import (
+from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.prompts import train_and_held_out
+from tooling.training.self_distillation import (
     FeatureSplit,
     answer_mask,
     cached_answers,
     cached_features,
     padded,
 )
-from engine.training.train_heads import draft_vocabulary
+from tooling.training.train_heads import draft_vocabulary
 
 # EAGLE's weights: regression 1, classification 0.1; deeper depths count less (EAGLE-3).
 CLASSIFICATION_WEIGHT, DEPTH_DECAY = 0.1, 0.8

@@ -1,6 +1,6 @@
 """EAGLE-3's fused features against EAGLE's last-layer feature on this model: held-out accuracy.
 
-    python -m engine.tools.eagle_fusion_ab DIR [--train 1200] [--epochs 2] [--layers 2,15]
+    python -m tooling.bench.eagle_fusion_ab DIR [--train 1200] [--epochs 2] [--layers 2,15]
 
 DIR is a ``specserve train eagle`` directory (its ``answers.pt`` and ``features.pt``). The
 first ``--train`` training sequences train one drafter per variant, from the same seed, with
@@ -33,10 +33,10 @@ from engine.decoders.eagle import EagleNetwork
 from engine.llm import LLM
 from engine.models.draft_copies import dense_weight
 from engine.models.llama import rms_norm
-from engine.training.epochs import TrainingRun, train_epochs
-from engine.training.self_distillation import FEATURES_FILE, FeatureSplit, padded, sequence_features
-from engine.training.train_eagle import _batch, _losses, held_out_accuracies, unrolled_outputs
-from engine.training.train_heads import draft_vocabulary
+from tooling.training.epochs import TrainingRun, train_epochs
+from tooling.training.self_distillation import FEATURES_FILE, FeatureSplit, padded, sequence_features
+from tooling.training.train_eagle import _batch, _losses, held_out_accuracies, unrolled_outputs
+from tooling.training.train_heads import draft_vocabulary
 
 VARIANTS = ("eagle", "eagle-ce", "fused")
 

@@ -28,7 +28,7 @@ from engine.llm import LLM
 from engine.model_runner import ForwardItem
 from engine.sampling import SamplingParams
 from engine.speculation import SpecDecodeStats
-from engine.tools.bench_report import (
+from tooling.bench.bench_report import (
     losing_reason,
     plot_decoder_bench,
     print_header,
@@ -36,7 +36,7 @@ from engine.tools.bench_report import (
     print_summary,
 )
 
-REPO = Path(__file__).resolve().parents[2]  # engine/tools/ -> the repository
+REPO = Path(__file__).resolve().parents[2]  # tooling/bench/ -> the repository
 PROMPT_SETS = REPO / "configs" / "prompts"
 DEFAULT_PLOT = REPO / "docs" / "decoders-benchmark.png"
 TRUNCATED_LAYERS = 8  # the truncated self draft's layers (and the transformers assistant's)

@@ -1,0 +1,245 @@
+"""The self-distillation set at scale: conversations the target has with our requests, written
+in resumable shards.
+
+A shard is ``shard_requests`` requests (``prompt_mix``) each answered ``answers_per_request``
+times (the first greedily, the rest sampled at the recipe's temperatures, each with its own
+seed), a share of them continued by a follow-up turn that the target answers too. Along each
+conversation it keeps the token ids, where the assistant's turns are, and the target's
+final-normed features at every position, captured from the generating passes themselves.
+
+Every shard is a function of the recipe and its index alone, so an interrupted build continues
+where it stopped and makes the same data: a shard is written to a temporary name and renamed
+when complete, and a rerun skips the shards that exist. The build stops once the training split
+holds the token budget's answer tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.sampling import SamplingParams
+from tooling.training.prompt_mix import Request, request
+from tooling.training.self_distillation import final_features
+
+RECIPE_FILE = "recipe.json"
+GENERATOR_VERSION = 1  # bump when prompt_mix or the shard layout changes what a shard holds
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What the shards of one data set are made from; a rerun must use the same."""
+
+    target: dict
+    seed: int = 0
+    shard_requests: int = 128
+    answers_per_request: int = 2
+    temperatures: tuple[float, ...] = (0.7, 1.0)  # of the sampled answers, in turn
+    max_tokens: int = 384
+    follow_up_max_tokens: int = 256
+    follow_up_share: float = 0.25
+    generator_version: int = GENERATOR_VERSION
+
+    def temperature(self, answer: int) -> float:
+        if answer == 0:
+            return 0.0
+        return self.temperatures[(answer - 1) % len(self.temperatures)]
+
+
+@dataclass
+class Conversation:
+    """Token ids of one conversation, the [start, end) spans of the target's turns in it, and
+    the target's final-normed features along it ([len, d] float16)."""
+
+    tokens: list[int]
+    spans: list[tuple[int, int]]
+    features: torch.Tensor
+    temperature: float = 0.0
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+
+@dataclass
+class ShardIndex:
+    """The small sidecar of a shard: what a resuming build counts without loading it."""
+
+    conversations: int
+    answer_tokens: int
+    seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def _seed(*parts) -> int:
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def shard_requests(recipe: Recipe, split: str, index: int) -> list[Request]:
+    rng = random.Random(_seed(recipe.seed, split, index))
+    return [request(rng, split, recipe.follow_up_share) for _ in range(recipe.shard_requests)]
+
+
+def make_shard(llm, recipe: Recipe, split: str, index: int) -> list[Conversation]:
+    """Shard ``index`` of ``split``: the target's conversations with its requests."""
+    requests = shard_requests(recipe, split, index)
+    prompts, params, owners = [], [], []
+    for r, req in enumerate(requests):
+        rendered = llm.render_chat([{"role": "user", "content": req.message}])
+        for a in range(recipe.answers_per_request):
+            prompts.append(rendered)
+            params.append(_params(recipe, a, recipe.max_tokens, split, index, r, 1))
+            owners.append((r, a))
+    first = llm.generate(prompts, params, return_hidden_states=True)
+    conversations = [_conversation(llm, out, params[i].temperature) for i, out in enumerate(first)]
+    # The follow-up turns: after a complete first answer, the user's next message.
+    again, again_params, where = [], [], []
+    for i, out in enumerate(first):
+        r, a = owners[i]
+        if requests[r].follow_up is None or out.outputs[0].finish_reason != "stop":
+            continue
+        again.append(_continued(conversations[i].tokens, _user_turn(llm, requests[r].follow_up)))
+        again_params.append(_params(recipe, a, recipe.follow_up_max_tokens, split, index, r, 2))
+        where.append(i)
+    if again:
+        second = llm.generate(again, again_params, return_hidden_states=True)
+        for i, out in zip(where, second, strict=True):
+            turn = _conversation(llm, out, conversations[i].temperature)
+            turn.spans = conversations[i].spans + turn.spans
+            conversations[i] = turn
+    return conversations
+
+
+def _params(recipe: Recipe, answer: int, max_tokens: int, *where) -> SamplingParams:
+    return SamplingParams(
+        temperature=recipe.temperature(answer),
+        max_tokens=max_tokens,
+        seed=_seed(recipe.seed, *where, answer),
+    )
+
+
+def _conversation(llm, out, temperature: float) -> Conversation:
+    prompt, answer = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+    model = llm.engine.model
+    features = final_features(model, out.outputs[0].hidden_states)
+    tokens = prompt + answer
+    return Conversation(tokens, [(len(prompt), len(tokens))], features, temperature)
+
+
+def _user_turn(llm, message: str) -> list[int]:
+    """The tokens that close the assistant's turn (where the answer did not) and open the
+    user's next one and the assistant's reply to it, as the chat template writes them."""
+    one = llm.render_chat([{"role": "user", "content": "x"}])
+    two = llm.render_chat(
+        [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "y"},
+            {"role": "user", "content": message},
+        ]
+    )
+    # ``two`` = ``one`` + "y" + end of turn + the next user turn and the assistant's opening.
+    y = llm.tokenizer.encode("y", add_special_tokens=False)
+    if two[: len(one)] != one or two[len(one) : len(one) + len(y)] != y:
+        raise ValueError("the chat template does not extend a conversation by appending")
+    return two[len(one) + len(y) :]
+
+
+def _continued(tokens: list[int], turn: list[int]) -> list[int]:
+    """``tokens`` followed by the next ``turn``, without doubling the end-of-turn token that
+    a stopped answer already ends with."""
+    if turn and tokens and tokens[-1] == turn[0]:
+        return tokens + turn[1:]
+    return tokens + turn
+
+
+def save_shard(directory: Path, index: int, conversations: list[Conversation], seconds: float):
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"shard-{index:05d}.pt"
+    payload = {
+        "tokens": [torch.tensor(c.tokens, dtype=torch.int32) for c in conversations],
+        "spans": [c.spans for c in conversations],
+        "features": [c.features for c in conversations],
+        "temperatures": [c.temperature for c in conversations],
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    tokens = sum(c.answer_tokens for c in conversations)
+    sidecar = ShardIndex(len(conversations), tokens, round(seconds, 1))
+    path.with_suffix(".json").write_text(json.dumps(asdict(sidecar)))
+    tmp.rename(path)  # last: a shard exists only once it is whole
+
+
+def load_shard(path: Path) -> list[Conversation]:
+    data = torch.load(path, weights_only=True)
+    return [
+        Conversation(t.tolist(), [tuple(s) for s in spans], f, temp)
+        for t, spans, f, temp in zip(
+            data["tokens"], data["spans"], data["features"], data["temperatures"], strict=True
+        )
+    ]
+
+
+def shard_paths(directory: Path) -> list[Path]:
+    return sorted(directory.glob("shard-*.pt"))
+
+
+def answer_tokens_in(directory: Path) -> int:
+    return sum(
+        json.loads(p.with_suffix(".json").read_text())["answer_tokens"]
+        for p in shard_paths(directory)
+    )
+
+
+def check_recipe(root: Path, recipe: Recipe) -> None:
+    """Write the recipe of a new data set, or refuse to extend one made with another."""
+    path = root / RECIPE_FILE
+    wanted = json.loads(json.dumps(asdict(recipe)))
+    if path.is_file():
+        found = json.loads(path.read_text())
+        if found != wanted:
+            changed = sorted(k for k in wanted.keys() | found.keys() if found.get(k) != wanted.get(k))
+            raise ValueError(
+                f"{root} holds data made with another recipe (differs in {', '.join(changed)}); "
+                "use another --output or the same options"
+            )
+        return
+    root.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(wanted, indent=2))
+
+
+def build(llm, root: Path, recipe: Recipe, budget: int, held_out_shards: int = 1,
+          progress=None) -> int:  # fmt: skip
+    """Shards under ``root``/train until they hold ``budget`` answer tokens, and
+    ``held_out_shards`` under ``root``/held_out; returns the training split's answer tokens."""
+    check_recipe(root, recipe)
+    for index in range(held_out_shards):
+        _ensure_shard(llm, root / "held_out", recipe, "held_out", index)
+    done = answer_tokens_in(root / "train")
+    if progress is not None:
+        progress(done)
+    index = 0
+    while done < budget:
+        made = _ensure_shard(llm, root / "train", recipe, "train", index)
+        index += 1
+        if made:
+            done += made
+            if progress is not None:
+                progress(made)
+    return done
+
+
+def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int) -> int:
+    """Make shard ``index`` unless it exists; the answer tokens it added (0 if it existed)."""
+    if (directory / f"shard-{index:05d}.pt").is_file():
+        return 0
+    started = time.perf_counter()
+    conversations = make_shard(llm, recipe, split, index)
+    save_shard(directory, index, conversations, time.perf_counter() - started)
+    return sum(c.answer_tokens for c in conversations)
