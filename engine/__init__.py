@@ -7,7 +7,7 @@ import importlib
 
 _EXPORTS = {
     "LLM": "engine.llm",
-    "SamplingParams": "engine.sampling",
+    "SamplingParams": "engine.sampling_params",
     "Engine": "engine.engine",
     "EngineConfig": "engine.config",
     "RequestOutput": "engine.outputs",

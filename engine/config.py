@@ -19,9 +19,8 @@ from pydantic import (
     model_validator,
 )
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from engine.decoder_registry import DECODERS, decoder_spec
+from engine.decoder_registry import Strict as _Strict
 
 
 class KVCacheConfig(_Strict):
@@ -41,69 +40,6 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(512, ge=1)
     # None: the model's max_position_embeddings.
     max_model_len: int | None = Field(None, ge=2)
-
-
-DecoderName = Literal[
-    "autoregressive",
-    "ngram",
-    "draft",
-    "layerskip",
-    "hierarchical",
-    "medusa",
-    "hydra",
-    "eagle",
-    "kangaroo",
-]
-
-
-class DraftModelConfig(_Strict):
-    """The ``draft`` decoder's model: a separate model sharing the target's tokenizer, or
-    ``"self"``, a cheaper copy of the target (see ``quantization`` and ``num_layers``)."""
-
-    model: str = "self"  # "self", or any model the loader takes (name, directory, .gguf, hub id)
-    # Weight-only precision of the draft's projections: int8 (per channel), int4 (per group of
-    # 32 inputs), bfloat16, or none.
-    quantization: Literal["none", "bfloat16", "int8", "int4"] = "int8"
-    # Keep only the first N layers (then the final norm and LM head); None keeps all.
-    num_layers: int | None = Field(None, ge=1)
-
-
-class TrainedDrafterConfig(_Strict):
-    """A trained decoder's drafter (``medusa``, ``hydra``, ``eagle``, ``kangaroo``): a
-    directory that ``specserve train KIND`` writes (None takes the drafter shipped for the
-    model, if one is), and the precision its own projections run at: int8 weights (per
-    channel; a quarter of float32's bytes per draft) or unquantized in the model's dtype
-    (none: float32 on the CPU). Drafts only set the speed: output is exact either way."""
-
-    drafter: str | None = None
-    quantization: Literal["none", "int8"] = "int8"
-
-
-class EagleConfig(TrainedDrafterConfig):
-    """The ``eagle`` decoder's drafter; with ``tree_top_k`` > 0 it drafts EAGLE-2's dynamic
-    trees (each depth expands the ``tree_top_k`` most likely nodes with ``tree_top_k``
-    children each, at most ``tree_depth`` deep; the step's k is the tree's node count), else
-    chains."""
-
-    tree_top_k: int = Field(0, ge=0, le=16)
-    tree_depth: int = Field(4, ge=1, le=16)
-
-
-class KangarooConfig(TrainedDrafterConfig):
-    """The ``kangaroo`` decoder's adapter (its exit layer is part of the trained drafter), the
-    precision of the adapter's projections, and the second early exit: drafting stops once
-    the drafter's top-1 probability falls below ``exit_threshold`` (Kangaroo's eta)."""
-
-    exit_threshold: float = Field(0.6, ge=0, le=1)
-
-
-class LayerSkipConfig(_Strict):
-    """The ``layerskip`` draft: the target with sublayers skipped (Draft & Verify) or cut
-    after ``exit_layer`` (LayerSkip's early exit). ``specserve tune layerskip`` fills these."""
-
-    skip_attention: list[int] = Field(default_factory=list)
-    skip_mlp: list[int] = Field(default_factory=list)
-    exit_layer: int | None = Field(None, ge=0)
 
 
 class WindowConfig(_Strict):
@@ -128,20 +64,17 @@ class GateConfig(_Strict):
     min_target_prob: float | None = Field(None, gt=0, lt=1)
 
 
-class HierarchicalConfig(_Strict):
-    """HSDDW's three levels: ``level1`` drafts for the ``draft`` model (level 2), which
-    verifies and extends while its entropy stays below ``tau2``; the target verifies last."""
-
-    level1: Literal["ngram", "draft_truncated"] = "ngram"
-    level1_num_layers: int = Field(4, ge=1)  # draft_truncated: layers of the level-2 model kept
-    tau2: float = Field(1.0, gt=0)
-
-
 class DecoderConfig(_Strict):
+    """The decoders an engine loads and what they share; each registered decoder with a
+    config section has it here under its own name (``decoder.eagle``, ...), validated by the
+    section's class (engine/decoder_registry.py)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
     # The decoder of requests that do not pick one.
-    method: DecoderName = "autoregressive"
+    method: str = "autoregressive"
     # Further decoders loaded alongside, for requests that pick one ("speculative").
-    extra_methods: list[DecoderName] = Field(default_factory=list)
+    extra_methods: list[str] = Field(default_factory=list)
     # Draft tokens per step (k): the most a drafting decoder proposes for one sequence.
     num_speculative_tokens: int = Field(4, ge=1, le=16)
     # How many of those k to draft each step: the goodput policy's choice, 0 included, from
@@ -163,49 +96,77 @@ class DecoderConfig(_Strict):
     prompt_lookup_min: int = Field(2, ge=1)
     # ngram: earlier matches whose continuations are merged into a token tree (1: a chain).
     prompt_lookup_candidates: int = Field(1, ge=1, le=16)
-    draft: DraftModelConfig = Field(default_factory=DraftModelConfig)
-    layerskip: LayerSkipConfig = Field(default_factory=LayerSkipConfig)
-    hierarchical: HierarchicalConfig = Field(default_factory=HierarchicalConfig)
-    medusa: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
-    hydra: TrainedDrafterConfig = Field(default_factory=TrainedDrafterConfig)
-    eagle: EagleConfig = Field(default_factory=EagleConfig)
-    kangaroo: KangarooConfig = Field(default_factory=KangarooConfig)
     window: WindowConfig = Field(default_factory=WindowConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _registered_sections(cls, data: Any) -> Any:
+        """Each registered decoder's section, validated by its class (defaults when absent);
+        any other key is unknown."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        sections = {name: s.section for name, s in DECODERS.items() if s.section is not None}
+        errors = [
+            {"type": "extra_forbidden", "loc": (key,), "input": data[key]}
+            for key in data
+            if key not in cls.model_fields and key not in sections
+        ]
+        for name, section in sections.items():
+            value = data.get(name, {})
+            if isinstance(value, BaseModel):
+                value = value.model_dump()
+            try:
+                data[name] = section.model_validate(value)
+            except ValidationError as e:
+                errors += [_nested(name, error) for error in e.errors()]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        decoder_spec(method)  # ValueError naming the known ones
+        return method
+
+    @field_validator("extra_methods")
+    @classmethod
+    def _known_methods(cls, methods: list[str]) -> list[str]:
+        for method in methods:
+            decoder_spec(method)
+        return methods
+
     @model_validator(mode="after")
-    def _drafts_are_cheaper_than_the_target(self) -> DecoderConfig:
-        draft = self.draft
-        uses_draft = {"draft", "hierarchical"} & set(self.methods)
-        if uses_draft and draft.model == "self" and draft.quantization == "none":
-            if draft.num_layers is None:
-                raise ValueError(
-                    "draft.model 'self' with quantization 'none' and no num_layers is the "
-                    "target itself: pick a quantization (int8, int4, bfloat16) or num_layers"
-                )
+    def _runnable(self) -> DecoderConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
                 f"({self.prompt_lookup_max})"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _layerskip_has_a_draft(self) -> DecoderConfig:
-        skip = self.layerskip
-        if "layerskip" in self.methods and not (
-            skip.skip_attention or skip.skip_mlp or skip.exit_layer is not None
-        ):
-            raise ValueError(
-                "layerskip needs layerskip.skip_attention, skip_mlp or exit_layer (without "
-                "them the draft is the target itself); `specserve tune layerskip` searches them"
-            )
+        for method in self.methods:
+            check = DECODERS[method].check
+            if check is not None:
+                check(self)
         return self
 
     @property
     def methods(self) -> list[str]:
         """Every loaded decoder, the default first, each once."""
         return list(dict.fromkeys([self.method, *self.extra_methods]))
+
+    def section(self, name: str):
+        """The config section of decoder ``name``."""
+        return getattr(self, name)
+
+
+def _nested(name: str, error: dict) -> dict:
+    """A section's validation error, located under the section."""
+    nested = {"type": error["type"], "loc": (name, *error["loc"]), "input": error["input"]}
+    if error.get("ctx"):
+        nested["ctx"] = error["ctx"]
+    return nested
 
 
 class EngineConfig(_Strict):

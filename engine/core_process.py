@@ -45,7 +45,7 @@ from engine.core_protocol import (
 )
 
 if TYPE_CHECKING:
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
     from engine.speculative_options import SpeculativeOptions
 
 __all__ = [
@@ -57,6 +57,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def _run_engine_core(config: EngineConfig, conn) -> None:
+    """The engine process's entry: it, not the API process, imports the engine and torch."""
+    from engine.core_loop import run_engine_core  # torch: in the child only
+
+    run_engine_core(config, conn)
 
 
 class _EngineProcess:
@@ -80,14 +87,11 @@ class _EngineProcess:
         on_message: Callable[[_EngineProcess, object], None],
         on_exit: Callable[[_EngineProcess, int | None], None],
     ):
-        # Here, not at the top: the child's side imports the engine and torch.
-        from engine.core_loop import run_engine_core
-
         ctx = multiprocessing.get_context("spawn")
         self._conn, self._child_conn = ctx.Pipe(duplex=True)
         # daemon: if the server exits without shutdown(), multiprocessing still ends the child.
         self.process = ctx.Process(
-            target=run_engine_core,
+            target=_run_engine_core,
             args=(config, self._child_conn),
             name="specserve-engine",
             daemon=True,

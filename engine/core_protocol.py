@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, ClassVar
 if TYPE_CHECKING:
     from engine.engine import Engine
     from engine.outputs import CompletionOutput, RequestOutput
-    from engine.sampling import SampledToken, SamplingParams
+    from engine.sampling_params import SampledToken, SamplingParams
     from engine.speculative_options import SpeculativeOptions
 
 

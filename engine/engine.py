@@ -12,8 +12,9 @@ import torch
 from engine.config import DecoderConfig, EngineConfig
 from engine.constraints import AllConstraints, ConstraintFactory, normalize_phrase
 from engine.constraints.banned import MAX_REWINDS
+from engine.decoder_registry import trained_decoders
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
-from engine.decoders.drafter_files import TRAINED_DECODERS, find_shipped_drafter
+from engine.decoders.drafter_files import find_shipped_drafter
 from engine.decoders.gate import TargetConfidenceGate
 from engine.draft_policy import GoodputPolicy
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
@@ -133,7 +134,7 @@ class Engine:
         )
         names = list(config.methods)
         if config.load_shipped_drafters:
-            names += [kind for kind in TRAINED_DECODERS if find_shipped_drafter(kind, self.model)]
+            names += [kind for kind in trained_decoders() if find_shipped_drafter(kind, self.model)]
         drafting = {
             name: build_decoder(name, config, target)
             for name in dict.fromkeys(names)

@@ -13,17 +13,9 @@ from engine.engine import create_engine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling import SamplingParams
 from engine.speculative_options import SpeculativeOptions
+from engine.tokenizer_files import load_tokenizer
 
 Prompt = str | Sequence[int]
-
-
-def load_tokenizer(model_dir: Path):
-    """The checkpoint's tokenizer, or None when the directory has none (test models)."""
-    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class LLM:

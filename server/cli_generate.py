@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from engine.decoder_registry import DECODERS, trained_decoders
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -14,8 +16,9 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """--config, --model and the decoder choice, shared by generate, serve and bench."""
+def add_model_arguments(p: argparse.ArgumentParser, decoder_choices: bool = True) -> None:
+    """--config, --model and the decoder choice, shared by generate, serve and bench (whose
+    --decoder names bench variants, so it passes ``decoder_choices=False``)."""
     p.add_argument(
         "--config",
         help="engine config YAML (default: the built-in defaults, as in configs/default.yaml)",
@@ -38,8 +41,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decoder",
-        help="decoder of requests that pick none: autoregressive (default), ngram, draft, "
-        "layerskip, hierarchical, medusa, hydra, eagle or kangaroo",
+        choices=list(DECODERS) if decoder_choices else None,
+        metavar="DECODER",
+        help=f"decoder of requests that pick none: {', '.join(DECODERS)} "
+        "(default autoregressive)",
     )
     p.add_argument(
         "--extra-decoders",
@@ -103,8 +108,8 @@ def engine_config_from_args(args: argparse.Namespace):
         decoder["draft"] = {**config.decoder.draft.model_dump(), "model": args.draft_model}
     if getattr(args, "drafter", None):
         trained = args.decoder or config.decoder.method
-        if trained not in ("medusa", "hydra", "eagle", "kangaroo"):
-            raise ValueError("--drafter needs --decoder medusa, hydra, eagle or kangaroo")
+        if trained not in trained_decoders():
+            raise ValueError(f"--drafter needs --decoder {' or '.join(trained_decoders())}")
         decoder[trained] = {"drafter": args.drafter}
     decoder = {k: v for k, v in decoder.items() if v is not None}
     if decoder:
@@ -136,7 +141,7 @@ SAMPLING_FLAGS = (
 
 
 def sampling_params_from_args(args: argparse.Namespace):
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
     return SamplingParams(**{k: v for k, v in given.items() if v is not None})

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.core_protocol import EngineDeadError, RequestTimeoutError
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling import SampledToken, SamplingParams
+from engine.sampling_params import SampledToken, SamplingParams
 from server.metrics import ServerMetrics
 
 

@@ -16,8 +16,9 @@ import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.constraints import ConstraintSpec
-from engine.sampling import logit_bias_problems
+from engine.constraints.spec import ConstraintSpec
+from engine.decoder_registry import DECODERS
+from engine.sampling_params import logit_bias_problems
 from engine.speculative_options import SpeculativeOptions
 from server.errors import APIError, invalid_parameter
 from server.field_policy import check_extra_fields
@@ -215,6 +216,13 @@ def _speculative(state: ServerState, body) -> SpeculativeOptions | None:
     if choice is None:
         return None
     loaded = state.client.info.decoders
+    if choice.method not in DECODERS:
+        raise APIError(
+            400,
+            f"unknown speculative method {choice.method!r}; known: {', '.join(DECODERS)}",
+            param="speculative.method",
+            code="invalid_value",
+        )
     if choice.method not in loaded:
         raise APIError(
             400,

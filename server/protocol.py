@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 # Seeds are 64-bit signed integers, as in vLLM (torch.long).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1

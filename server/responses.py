@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.detokenizer import token_bytes, token_text
-from engine.sampling import SampledToken
+from engine.sampling_params import SampledToken
 
 
 def chat_logprobs(tokenizer, tokens: list[SampledToken] | None) -> dict | None:

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
-from engine.constraints.state import ConstraintFactory
+from engine.constraints.vocabulary import ConstraintVocabulary
 from engine.core_process import AsyncEngineClient
+from engine.tokenizer_files import load_tokenizer
 from server.auth import key_is_valid
 from server.cors import CorsSettings
 from server.errors import APIError
@@ -53,7 +54,7 @@ class ServerState:
         )
         self.metrics = ServerMetrics(settings.model_name, lambda: self.client.totals)
         self.tokenizer = None
-        self.constraints: ConstraintFactory | None = None
+        self.constraints: ConstraintVocabulary | None = None
         self.reserved = 0  # sequences of accepted requests that have not ended
         self.created = int(time.time())
         self._starting: asyncio.Task | None = None
@@ -72,13 +73,11 @@ class ServerState:
             log.error("engine failed to start: %s", task.exception())
 
     async def _start(self) -> None:
-        from engine.llm import load_tokenizer
-
         info = await self.client.start()
         self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
         # Checks constraints against the vocabulary (a grammar naming a special token the
         # model lacks) before a response starts; llguidance's tokenizer is built on first use.
-        self.constraints = ConstraintFactory(
+        self.constraints = ConstraintVocabulary(
             lambda: self.tokenizer, info.vocab_size, info.eos_token_ids
         )
         log.info("engine ready: %s (context %d tokens)", info.model_dir, info.max_model_len)

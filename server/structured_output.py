@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
-from engine.constraints import ConstraintSpec
+from engine.constraints.spec import ConstraintSpec
 from server.errors import APIError, field_path
 from server.protocol import NestedObject
 

@@ -279,7 +279,7 @@ def test_streams_that_ask_for_usage_carry_the_server_s_own_count(tiny_server):
 
 
 def test_output_tokens_are_the_server_s_count_when_every_stream_has_one(tiny_chat_model_dir):
-    from engine.llm import load_tokenizer
+    from engine.tokenizer_files import load_tokenizer
     from tooling.bench.bench_serve import LoadResult, StreamResult
 
     tokenizer = load_tokenizer(tiny_chat_model_dir)

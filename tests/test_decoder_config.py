@@ -172,8 +172,8 @@ def test_gpu_kv_cache_budget_follows_vllm_utilization_rule():
 
 
 def test_the_step_stretch_bound_comes_from_the_command_line_or_stays_off():
-    from tooling.cli import build_parser
     from server.cli_generate import engine_config_from_args
+    from tooling.cli import build_parser
 
     parser = build_parser()
     bounded = engine_config_from_args(parser.parse_args(["serve", "--max-step-stretch", "1.2"]))

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tooling.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
 from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_eagle_drafter
+from tooling.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -13,8 +13,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.speculative_options import SpeculativeOptions
-from tooling.training.self_distillation import final_features, generate_answers, sequence_features
 from tests.decoder_checks import GREEDY, PROMPTS
+from tooling.training.self_distillation import final_features, generate_answers, sequence_features
 
 
 def teacher_forced(model, tokens: list[int]) -> torch.Tensor:

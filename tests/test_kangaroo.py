@@ -12,10 +12,10 @@ from engine import LLM, SamplingParams
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
 from engine.model_runner import ForwardItem
-from tooling.training.self_distillation import sequence_features
-from tooling.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
 from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_kangaroo_drafter
+from tooling.training.self_distillation import sequence_features
+from tooling.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -13,10 +13,10 @@ from engine import LLM, SamplingParams
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.trained_heads import rank_tree
 from engine.models.llama import rms_norm
-from tooling.training.self_distillation import sequence_features
-from tooling.training.train_heads import HEADS, HeadsTrainOptions, run_train_heads
 from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
 from tests.tiny_models import save_heads_drafter
+from tooling.training.self_distillation import sequence_features
+from tooling.training.train_heads import HEADS, HeadsTrainOptions, run_train_heads
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -139,7 +139,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "decoder against autoregressive decoding and transformers' assisted generation on the "
         "chat and input-grounded prompt sets, a table, and a PNG plot.",
     )
-    add_model_arguments(offline)
+    add_model_arguments(offline, decoder_choices=False)
     offline.add_argument("--batch", type=int, default=16)
     offline.add_argument("--max-tokens", type=int, default=128)
     offline.add_argument("--prompt-len", type=int, default=512)
@@ -163,7 +163,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     decoders = which.add_parser(
         "decoders", help="the same as `bench offline --decoder all` (--decoders picks variants)"
     )
-    add_model_arguments(decoders)
+    add_model_arguments(decoders, decoder_choices=False)
     decoders.add_argument("--decoders", help="comma-separated variant names, or all (default)")
     decoders.add_argument("--max-tokens", type=int, default=128)
     decoders.add_argument("--no-hf", action="store_true", help="skip transformers")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from engine.decoder_registry import trained_decoders
 from server.cli_generate import add_model_arguments, engine_config_from_args
 
 
@@ -158,10 +159,19 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "hydra": "K Hydra heads learn the tokens 2..K+1 places ahead from the hidden state and "
         "the tokens before each (sequentially dependent heads)",
     }
-    for kind, what in descriptions.items():
-        _add_heads_parser(which, kind, what)
-    _add_eagle_parser(which)
-    _add_kangaroo_parser(which)
+    trainers = {
+        "medusa": lambda: _add_heads_parser(which, "medusa", descriptions["medusa"]),
+        "hydra": lambda: _add_heads_parser(which, "hydra", descriptions["hydra"]),
+        "eagle": lambda: _add_eagle_parser(which),
+        "kangaroo": lambda: _add_kangaroo_parser(which),
+    }
+    # One trainer per trained decoder in the registry: a trained decoder without one is a
+    # registration error, caught here (and by the tests) rather than by a user.
+    missing = set(trained_decoders()) - set(trainers)
+    if missing:
+        raise RuntimeError(f"trained decoders without a trainer: {', '.join(sorted(missing))}")
+    for kind in trained_decoders():
+        trainers[kind]()
 
 
 def _add_kangaroo_parser(which) -> None:

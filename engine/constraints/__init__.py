@@ -7,17 +7,26 @@ mask reaches the target's p and a drafter's q at every draft position and along 
 path: rejection sampling stays lossless for the constrained distribution, and a draft that
 breaks the constraint has probability zero and is rejected. The grammars run on llguidance
 (docs/decoders.md says why it won over outlines-core on our machines).
+
+Exports resolve lazily: the API process checks specs and builds the vocabulary without
+importing torch, which only the matchers need.
 """
 
-from engine.constraints.banned import BannedPhrasesState, normalize_phrase
-from engine.constraints.spec import ConstraintSpec
-from engine.constraints.state import AllConstraints, ConstraintFactory, ConstraintState
+import importlib
 
-__all__ = [
-    "AllConstraints",
-    "BannedPhrasesState",
-    "ConstraintFactory",
-    "ConstraintSpec",
-    "ConstraintState",
-    "normalize_phrase",
-]
+_EXPORTS = {
+    "AllConstraints": "engine.constraints.state",
+    "BannedPhrasesState": "engine.constraints.banned",
+    "ConstraintFactory": "engine.constraints.state",
+    "ConstraintSpec": "engine.constraints.spec",
+    "ConstraintState": "engine.constraints.state",
+    "ConstraintVocabulary": "engine.constraints.vocabulary",
+    "normalize_phrase": "engine.constraints.banned",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'engine.constraints' has no attribute {name!r}")

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
-from pathlib import Path
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
 
 from engine.constraints.banned import BannedPhrasesState
 from engine.constraints.spec import ConstraintSpec
+from engine.constraints.vocabulary import ConstraintVocabulary
 
 
 class ConstraintState:
@@ -100,49 +100,8 @@ class AllConstraints:
         return all(state.allows(history) for state in self.states)
 
 
-class ConstraintFactory:
-    """Builds sequences' matchers for the engine; the llguidance tokenizer (about 0.3 s for a
-    50k vocabulary) is made from the model's tokenizer on first use."""
-
-    def __init__(
-        self,
-        load_tokenizer: Callable[[], object],
-        vocab_size: int,
-        eos_token_ids: Collection[int],
-    ):
-        self._load_tokenizer = load_tokenizer
-        self.vocab_size = vocab_size
-        self.eos_token_ids = sorted(eos_token_ids)
-        self._tokenizer = None
-        self._hf_tokenizer = None
-
-    @classmethod
-    def for_model_dir(cls, model_dir: Path, vocab_size: int, eos_token_ids: Collection[int]):
-        def load():
-            from engine.llm import load_tokenizer  # engine.llm imports the engine
-
-            return load_tokenizer(Path(model_dir))
-
-        return cls(load, vocab_size, eos_token_ids)
-
-    @property
-    def hf_tokenizer(self):
-        if self._hf_tokenizer is None:
-            self._hf_tokenizer = self._load_tokenizer()
-            if self._hf_tokenizer is None:
-                raise ValueError("constrained decoding needs the model's tokenizer files")
-        return self._hf_tokenizer
-
-    @property
-    def tokenizer(self):
-        """The llguidance tokenizer."""
-        if self._tokenizer is None:
-            import llguidance.hf
-
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
-        return self._tokenizer
+class ConstraintFactory(ConstraintVocabulary):
+    """Builds sequences' matchers for the engine, over the vocabulary it extends."""
 
     def banned(self, phrases: Sequence[str]) -> BannedPhrasesState:
         tokenizer = self.hf_tokenizer

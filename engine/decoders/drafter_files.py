@@ -22,8 +22,6 @@ import torch
 from torch import nn
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "drafter.safetensors"
-# The decoders whose drafters are trained (and may ship for a model).
-TRAINED_DECODERS = ("medusa", "hydra", "eagle", "kangaroo")
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
 
 

@@ -26,8 +26,9 @@ the softmax of the processed logits for a greedy one.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,8 +41,25 @@ from engine.rejection_sampler import position_row
 from engine.sampling import probabilities, process_logits
 
 if TYPE_CHECKING:
-    from engine.decoders.eagle import EagleDrafter
     from engine.sequence import Sequence
+
+
+class TreeDrafter(Protocol):
+    """What tree drafting uses of a feature-level drafter (``EagleDrafter`` is one): named
+    here so that this module need not import the decoder that imports it."""
+
+    model: Any
+    layer: Any
+    kv_cache: Any
+    device: torch.device
+    eos_token_ids: Collection[int]
+
+    def fc(self, x: torch.Tensor) -> torch.Tensor: ...
+    def begin_round(self, seq: Sequence) -> None: ...
+    def forward(self, seqs: list, drafts: dict, fresh: dict) -> torch.Tensor: ...
+    def root_guess(self, seq: Sequence) -> torch.Tensor: ...
+    def ends_sequence(self, seq: Sequence, token: int) -> bool: ...
+    def read_out(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -88,7 +106,7 @@ class _Round:
 
 @torch.inference_mode()
 def draft_tree(
-    drafter: EagleDrafter, seqs: list[Sequence], num_drafts: dict, top_k: int, depth: int
+    drafter: TreeDrafter, seqs: list[Sequence], num_drafts: dict, top_k: int, depth: int
 ) -> dict[Sequence, Proposal]:
     """An EAGLE-2 tree of at most ``num_drafts[seq]`` nodes for each sequence, at most
     ``depth`` deep, expanding ``top_k`` nodes per depth with ``top_k`` children each."""
@@ -112,7 +130,7 @@ def draft_tree(
     return {r.seq: _proposal(r, num_drafts[r.seq]) for r in rounds}
 
 
-def _start_round(drafter: EagleDrafter, seq: Sequence) -> _Round:
+def _start_round(drafter: TreeDrafter, seq: Sequence) -> _Round:
     decode = seq.num_tokens - 1
     k_cache, v_cache = drafter.kv_cache.layers[0]
     positions = torch.arange(decode + 1)
@@ -124,7 +142,7 @@ def _start_round(drafter: EagleDrafter, seq: Sequence) -> _Round:
     return _Round(seq, decode, drafter.root_guess(seq), k_cache[slots], v_cache[slots])
 
 
-def _frontier(drafter: EagleDrafter, r: _Round, level: int, top_k: int) -> list[int]:
+def _frontier(drafter: TreeDrafter, r: _Round, level: int, top_k: int) -> list[int]:
     """The ``top_k`` most valuable nodes of depth ``level`` that the sequence can go on after."""
     newest = [
         i for i, n in enumerate(r.nodes)
@@ -162,7 +180,7 @@ def _values(logits: torch.Tensor, rows, eos_token_ids) -> torch.Tensor:
     return probabilities(processed).masked_fill(processed.isneginf(), 0.0)
 
 
-def _expand(drafter: EagleDrafter, rounds: list[_Round], parents: list[list[int]]):
+def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]):
     """The drafter layer over the frontier nodes of every round at once (the same layer as
     ``EagleDrafter.forward``, with the tree's attention); returns their logits, a row per node,
     round after round, and keeps their guesses and K/V."""

@@ -161,3 +161,8 @@ class HierarchicalDecoder(Decoder):
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         self.level2.on_verified(seq, proposal, num_accepted)
+
+
+def build_hierarchical_decoder(config: DecoderConfig, target: TargetContext) -> HierarchicalDecoder:
+    """The registered builder (engine/decoder_registry.py)."""
+    return HierarchicalDecoder(config, target)

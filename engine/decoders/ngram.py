@@ -96,3 +96,10 @@ class NgramDecoder(Decoder):
     def propose(self, seqs: list[Sequence], num_drafts: dict[Sequence, int]) -> dict:
         found, self._found = self._found, {}
         return {seq: found[seq].truncated(num_drafts[seq]) for seq in seqs if seq in found}
+
+
+def build_ngram_decoder(config, target) -> NgramDecoder:
+    """The registered builder (engine/decoder_registry.py): prompt lookup needs no model."""
+    return NgramDecoder(
+        config.prompt_lookup_min, config.prompt_lookup_max, config.prompt_lookup_candidates
+    )

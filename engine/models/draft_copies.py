@@ -19,7 +19,7 @@ from torch import nn
 
 from engine.models.autotune import autotune
 from engine.models.draft_quantization import STORED_QUANTIZERS
-from engine.models.linear import ONEDNN_BATCH_HINT, Linear
+from engine.models.linear import ONEDNN_BATCH_HINT, Linear, dense_weight
 from engine.models.llama import DecoderLayer, LlamaModel
 from engine.models.quantized_linear import QuantizedLinear
 
@@ -122,22 +122,6 @@ class BFloat16Linear(nn.Module):
 
 
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
-
-
-def dense_weight(linear: Linear) -> torch.Tensor:
-    """A linear's weight as a plain float [out, in] tensor (unpacking a oneDNN-packed one,
-    dequantizing a stored one)."""
-    if hasattr(linear, "dense_weight"):  # QuantizedLinear, StackedLinear
-        return linear.dense_weight()
-    if not linear.packed:
-        return linear.weight
-    eye = torch.eye(linear.in_features, dtype=torch.float32, device="cpu")
-    # x @ W.T with x = I gives W.T: the product itself undoes the opaque packing.
-    bias, linear.bias = linear.bias, None
-    try:
-        return linear(eye).t().contiguous()
-    finally:
-        linear.bias = bias
 
 
 def _quantized(linear: Linear, quantization: str, stored: bool) -> nn.Module:

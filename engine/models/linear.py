@@ -49,3 +49,19 @@ class Linear(nn.Module):
                 x.contiguous(), self.weight, self.bias, "none", [], ""
             )
         return F.linear(x, self.weight, self.bias)
+
+
+def dense_weight(linear: Linear) -> torch.Tensor:
+    """A linear's weight as a plain float [out, in] tensor (unpacking a oneDNN-packed one,
+    dequantizing a stored one)."""
+    if hasattr(linear, "dense_weight"):  # QuantizedLinear, StackedLinear
+        return linear.dense_weight()
+    if not linear.packed:
+        return linear.weight
+    eye = torch.eye(linear.in_features, dtype=torch.float32, device="cpu")
+    # x @ W.T with x = I gives W.T: the product itself undoes the opaque packing.
+    bias, linear.bias = linear.bias, None
+    try:
+        return linear(eye).t().contiguous()
+    finally:
+        linear.bias = bias

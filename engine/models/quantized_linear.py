@@ -13,6 +13,7 @@ import bisect
 import torch
 from torch import nn
 
+from engine.models.linear import dense_weight
 from engine.models.products import default_product, dequantize, product_by_name
 from engine.models.weight_formats import StoredWeight
 
@@ -86,6 +87,4 @@ class StackedLinear(nn.Module):
         return torch.cat([p(x) for p in self.parts], dim=-1)
 
     def dense_weight(self) -> torch.Tensor:
-        from engine.models.draft_copies import dense_weight
-
         return torch.cat([dense_weight(p) for p in self.parts])

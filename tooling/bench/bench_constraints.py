@@ -226,8 +226,8 @@ def _parses(text: str) -> bool:
 
 def run_constraints_bench(config: EngineConfig, decoders: list[str], max_tokens: int) -> None:
     from engine.engine import eos_token_ids_of
-    from engine.llm import load_tokenizer
     from engine.models.pull import resolve_model
+    from engine.tokenizer_files import load_tokenizer
 
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from engine.config import DecoderConfig, EngineConfig, LayerSkipConfig
+from engine.config import DecoderConfig, EngineConfig
+from engine.decoder_registry import DECODERS, LayerSkipConfig
 from engine.llm import LLM
 from engine.model_runner import ForwardItem
 from engine.sampling import SamplingParams
@@ -135,61 +136,27 @@ def load_layerskip(path: str | Path) -> dict:
 
 
 def all_variants(num_layers: int, layerskip: dict | None = None) -> list[Variant]:
-    """Every decoder and policy the benchmark knows, each with its settings."""
-
-    def draft(quantization: str = "int8", layers: int | None = None, **extra) -> dict:
-        spec = {"model": "self", "quantization": quantization, "num_layers": layers}
-        return {"method": "draft", "draft": spec, **extra}
-
+    """Every decoder's registered bench variants (engine/decoder_registry.py), and the two
+    that depend on the model: the draft truncated to its first layers, and layerskip with the
+    tuned (or a default) set of skipped layers."""
     truncated = max(1, min(TRUNCATED_LAYERS, num_layers - 1))
-    return [
-        Variant("ngram", {"method": "ngram"}),
-        Variant("ngram-tree4", {"method": "ngram", "prompt_lookup_candidates": 4}),
-        Variant(
-            "ngram-tree4-k8",
-            {"method": "ngram", "prompt_lookup_candidates": 4, "num_speculative_tokens": 8},
+    model_dependent = {
+        "draft": Variant(
+            f"draft-int8-{truncated}layers",
+            {"method": "draft", "draft": {"model": "self", "quantization": "int8",
+                                          "num_layers": truncated}},
         ),
-        Variant("draft-int8", draft()),
-        Variant("draft-int4", draft("int4")),
-        Variant("draft-bf16", draft("bfloat16")),
-        Variant(f"draft-int8-{truncated}layers", draft(layers=truncated)),
-        Variant(
+        "layerskip": Variant(
             "layerskip" if layerskip is None else "layerskip-tuned",
             {"method": "layerskip", **(layerskip or default_layerskip(num_layers))},
         ),
-        Variant("hierarchical", {**draft(), "method": "hierarchical", "hierarchical": {}}),
-        # The trained heads shipped for the model (engine/drafters/); k is the tree's nodes.
-        Variant("medusa", {"method": "medusa"}),
-        Variant("medusa-k1", {"method": "medusa", "num_speculative_tokens": 1}),
-        Variant("hydra", {"method": "hydra"}),
-        Variant("hydra-k1", {"method": "hydra", "num_speculative_tokens": 1}),
-        Variant("hydra-k2", {"method": "hydra", "num_speculative_tokens": 2}),
-        Variant("hydra-k8", {"method": "hydra", "num_speculative_tokens": 8}),
-        # The EAGLE drafter shipped for the model; k is the chain's length.
-        Variant("eagle", {"method": "eagle"}),
-        Variant("eagle-k1", {"method": "eagle", "num_speculative_tokens": 1}),
-        Variant("eagle-k2", {"method": "eagle", "num_speculative_tokens": 2}),
-        Variant("eagle-k3", {"method": "eagle", "num_speculative_tokens": 3}),
-        # EAGLE-2's dynamic trees: k is the tree's nodes, expanding the top 2 or 4 per depth.
-        Variant("eagle-tree2", {"method": "eagle", "eagle": {"tree_top_k": 2}}),
-        Variant(
-            "eagle-tree4-k8",
-            {"method": "eagle", "eagle": {"tree_top_k": 4}, "num_speculative_tokens": 8},
-        ),
-        # The Kangaroo adapter shipped for the model; chains stop below its exit threshold.
-        Variant("kangaroo", {"method": "kangaroo"}),
-        Variant("kangaroo-k1", {"method": "kangaroo", "num_speculative_tokens": 1}),
-        Variant("kangaroo-k2", {"method": "kangaroo", "num_speculative_tokens": 2}),
-        # The goodput policy picks each step's draft length (0 included) up to k.
-        Variant("medusa-goodput", {"method": "medusa", "draft_policy": "goodput"}),
-        Variant("hydra-goodput", {"method": "hydra", "draft_policy": "goodput"}),
-        Variant("eagle-goodput", {"method": "eagle", "draft_policy": "goodput"}),
-        Variant("kangaroo-goodput", {"method": "kangaroo", "draft_policy": "goodput"}),
-        Variant("ngram-goodput", {"method": "ngram", "draft_policy": "goodput"}),
-        Variant("draft-int8-adaptive", draft(window={"policy": "adaptive_exit"})),
-        Variant("draft-int8-entropy", draft(window={"policy": "entropy"})),
-        Variant("draft-int8-gate0.3", draft(gate={"min_target_prob": 0.3})),
-    ]
+    }  # fmt: skip
+    variants = []
+    for name, spec in DECODERS.items():
+        variants += [Variant(v, overrides) for v, overrides in spec.bench.items()]
+        if name in model_dependent:
+            variants.append(model_dependent[name])
+    return variants
 
 
 def select_variants(spec: str, variants: list[Variant]) -> list[Variant]:

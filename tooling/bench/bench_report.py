@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.config import DecoderConfig
+from engine.decoder_registry import DECODERS
 
 
 def plot_speedups(
@@ -76,7 +77,7 @@ def describe(config: DecoderConfig) -> str:
         parts.append(
             f"skip_attention {s.skip_attention}, skip_mlp {s.skip_mlp}, exit_layer {s.exit_layer}"
         )
-    if config.method in ("medusa", "hydra", "eagle", "kangaroo"):
+    if DECODERS[config.method].trained:
         drafter = getattr(config, config.method).drafter
         chain = config.method in ("eagle", "kangaroo")
         shape = "chain of up to k drafts" if chain else "tree of k nodes"

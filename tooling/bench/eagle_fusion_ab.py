@@ -34,7 +34,12 @@ from engine.llm import LLM
 from engine.models.draft_copies import dense_weight
 from engine.models.llama import rms_norm
 from tooling.training.epochs import TrainingRun, train_epochs
-from tooling.training.self_distillation import FEATURES_FILE, FeatureSplit, padded, sequence_features
+from tooling.training.self_distillation import (
+    FEATURES_FILE,
+    FeatureSplit,
+    padded,
+    sequence_features,
+)
 from tooling.training.train_eagle import _batch, _losses, held_out_accuracies, unrolled_outputs
 from tooling.training.train_heads import draft_vocabulary
 

@@ -165,10 +165,13 @@ FOLLOW_UPS = [
 HELD_OUT_EVERY = 10  # every tenth subject is held out: training never sees it
 
 
-def benchmark_prompts(repo: Path = Path(__file__).resolve().parents[2]) -> set[str]:
+REPO = Path(__file__).resolve().parents[2]
+
+
+def benchmark_prompts() -> set[str]:
     """Our benchmark prompts (configs/prompts/*.json), which training must never see."""
     texts: set[str] = set()
-    for path in (repo / "configs" / "prompts").glob("*.json"):
+    for path in (REPO / "configs" / "prompts").glob("*.json"):
         for item in json.loads(path.read_text()):
             texts.add(item if isinstance(item, str) else json.dumps(item))
     return texts

@@ -204,7 +204,8 @@ def check_recipe(root: Path, recipe: Recipe) -> None:
     if path.is_file():
         found = json.loads(path.read_text())
         if found != wanted:
-            changed = sorted(k for k in wanted.keys() | found.keys() if found.get(k) != wanted.get(k))
+            keys = wanted.keys() | found.keys()
+            changed = sorted(k for k in keys if found.get(k) != wanted.get(k))
             raise ValueError(
                 f"{root} holds data made with another recipe (differs in {', '.join(changed)}); "
                 "use another --output or the same options"

@@ -1,0 +1,14 @@
+"""A model directory's tokenizer, loaded without the engine (the API process needs only this)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, or None when the directory has none (test models)."""
+    if not any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer  # heavy: only when a model has tokenizer files
+
+    return AutoTokenizer.from_pretrained(model_dir)

@@ -1,0 +1,47 @@
+"""The shape of our imports: no cycles, the runtime never imports the tooling, and the API
+process (server.app) loads no torch (it validates, tokenizes and streams; the engine process
+runs the model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.import_graph import REPO, cycles, graph, imports_of, modules
+
+
+def test_no_import_cycles_even_through_deferred_or_type_only_imports():
+    assert cycles(graph(include_deferred=True)) == []
+
+
+def test_the_runtime_never_imports_the_tooling():
+    mods = modules()
+    offending = [
+        f"{name}:{line} imports {target}"
+        for name, path in mods.items()
+        if name.split(".")[0] in ("engine", "server")
+        for target, line, _ in imports_of(path, set(mods))
+        if target.split(".")[0] == "tooling"
+    ]
+    assert offending == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    # So that the first test cannot pass for want of a working finder.
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _loads_torch(statement: str) -> bool:
+    code = f"import sys; {statement}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip() == "True"
+
+
+def test_the_api_process_imports_no_torch():
+    assert not _loads_torch("import server.app")
+    assert not _loads_torch("import server.cli; server.cli.build_parser()")
+
+
+def test_the_check_itself_sees_torch_where_it_is():
+    assert _loads_torch("import engine.sampling")
