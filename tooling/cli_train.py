@@ -33,6 +33,8 @@ def _common_options(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "resume": args.resume,
         "prompts": prompts,
+        "data": Path(args.data) if args.data else None,
+        "data_tokens": args.data_tokens,
     }
 
 
@@ -239,6 +241,16 @@ def _add_common_arguments(p: argparse.ArgumentParser) -> None:
         "--prompts",
         help="text file of your own prompts, one user message per line (the last --held-out "
         "lines are held out); default: specserve's built-in training prompts",
+    )
+    p.add_argument(
+        "--data",
+        help="a data directory of `specserve train data` (its shards, instead of answering "
+        "--prompts or the built-in prompts now)",
+    )
+    p.add_argument(
+        "--data-tokens",
+        type=parse_token_count,
+        help="train on the first N answer tokens of --data, e.g. 2M (default all)",
     )
     p.add_argument("--num-prompts", type=int, default=480, help="training prompts")
     p.add_argument("--held-out", type=int, default=48, help="held-out prompts")

@@ -24,6 +24,8 @@ class TrainingRun:
 
     first_epoch: int = 0  # the checkpoint's epoch when resumed, else 0
     epoch_losses: list[float] = field(default_factory=list)
+    # (answer tokens trained on so far, held-out accuracies then), when the trainer keeps one.
+    learning_curve: list[tuple[int, list]] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -35,12 +37,15 @@ def train_epochs(
     loss_of: Callable[[list[int]], torch.Tensor],
     clip_norm: float | None = None,
     run: TrainingRun | None = None,
+    after_step: Callable[[list[int]], None] | None = None,
 ) -> TrainingRun:
     """``options.epochs`` epochs over ``num_items`` items in batches of ``options.batch_size``
     (shuffled per epoch with the epoch as seed); ``loss_of(indices)`` is a batch's loss. With
-    ``options.resume`` it starts after the checkpoint in ``options.output``."""
+    ``options.resume`` it starts after the checkpoint in ``options.output``. ``after_step``
+    is called with each batch's items once the optimizer has stepped on them."""
     run = run or TrainingRun()
     checkpoint = Path(options.output) / CHECKPOINT_FILE
+    checkpoint.parent.mkdir(parents=True, exist_ok=True)
     if options.resume and checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
         network.load_state_dict(state["network"] if "network" in state else state["heads"])
@@ -61,6 +66,8 @@ def train_epochs(
                     torch.nn.utils.clip_grad_norm_(network.parameters(), clip_norm)
                 optimizer.step()
                 total += loss.item()
+                if after_step is not None:
+                    after_step(batch.tolist())
                 bar.update()
                 bar.set_postfix(loss=f"{total / (step + 1):.3f}")
         run.epoch_losses.append(round(total / steps, 4))
@@ -93,14 +100,23 @@ def write_drafter(
         {
             "command": f"specserve train {kind}",
             "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
-            "data": "answers of the target itself to specserve's own prompts "
-            "(tooling/training/prompts.py)",
+            "data": _data_description(options),
             "training_answer_tokens": num_answer_tokens,
             "resumed_after_epoch": run.first_epoch,
             "epoch_losses": run.epoch_losses,
+            "learning_curve": run.learning_curve,
             "minutes": round(minutes, 1),
         },
     )
     drafter.save(options.output)
     print(f"drafter written to {options.output} ({minutes:.1f} min)")
     return drafter
+
+
+def _data_description(options) -> str:
+    if getattr(options, "data", None):
+        return (
+            f"the target's own conversations in {Path(options.data).name} "
+            "(`specserve train data`: specserve's own requests, tooling/training/prompt_mix.py)"
+        )
+    return "answers of the target itself to specserve's own prompts (tooling/training/prompts.py)"

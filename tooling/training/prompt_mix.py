@@ -192,6 +192,7 @@ class Request:
 
     message: str
     follow_up: str | None = None
+    subject: str = ""  # what it is about (the split's subjects are disjoint)
 
 
 def request(rng: random.Random, split: str, follow_up_share: float = 0.25) -> Request:
@@ -207,4 +208,4 @@ def request(rng: random.Random, split: str, follow_up_share: float = 0.25) -> Re
         if message not in forbidden:
             break
     follow = rng.choice(FOLLOW_UPS) if rng.random() < follow_up_share else None
-    return Request(message, follow)
+    return Request(message, follow, subject)

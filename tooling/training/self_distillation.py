@@ -162,11 +162,29 @@ FEATURES_FILE = "features.pt"
 @dataclass
 class FeatureSplit:
     """Sequences with the target's final-normed features at every position, and where each
-    answer starts."""
+    answer starts; with ``spans``, the [start, end) of each of the target's turns instead (a
+    conversation of several turns)."""
 
     sequences: list[list[int]]
     starts: list[int]
     features: list[torch.Tensor]  # per sequence [len, d], float16
+    spans: list[list[tuple[int, int]]] | None = None
+
+    def answer_spans(self, i: int) -> list[tuple[int, int]]:
+        """[start, end) of sequence ``i``'s answer tokens, turn by turn."""
+        if self.spans is not None:
+            return self.spans[i]
+        return [(self.starts[i], len(self.sequences[i]))]
+
+    def answer_labels(self) -> torch.Tensor:
+        """Every answer token of the split, in order (what the draft vocabulary is cut from)."""
+        return torch.cat([
+            torch.tensor(seq[a:b]) for i, seq in enumerate(self.sequences)
+            for a, b in self.answer_spans(i)
+        ])  # fmt: skip
+
+    def answer_tokens(self, i: int) -> int:
+        return sum(b - a for a, b in self.answer_spans(i))
 
 
 def cached_features(llm, options, answers: dict[str, Answers]) -> dict[str, FeatureSplit]:
@@ -196,7 +214,8 @@ def answer_mask(split: FeatureSplit, index: list[int], width: int) -> torch.Tens
     """[B, T] bool: the positions whose next token is an answer token."""
     mask = torch.zeros(len(index), width, dtype=torch.bool)
     for b, i in enumerate(index):
-        mask[b, split.starts[i] - 1 : len(split.sequences[i]) - 1] = True
+        for start, end in split.answer_spans(i):
+            mask[b, start - 1 : end - 1] = True
     return mask
 
 
@@ -205,8 +224,30 @@ def answer_features(split: FeatureSplit):
     per position from each answer's last prompt token to its second-to-last token (the
     positions whose next token is an answer token)."""
     features, owners, where = [], [], []
-    for i, (tokens, start) in enumerate(zip(split.sequences, split.starts, strict=True)):
-        features.append(split.features[i][start - 1 : len(tokens) - 1])
-        owners += [i] * (len(tokens) - start)
-        where += range(start - 1, len(tokens) - 1)
+    for i in range(len(split.sequences)):
+        for start, end in split.answer_spans(i):
+            features.append(split.features[i][start - 1 : end - 1])
+            owners += [i] * (end - start)
+            where += range(start - 1, end - 1)
     return torch.cat(features), torch.tensor(owners), torch.tensor(where)
+
+
+def training_splits(llm, options) -> dict[str, FeatureSplit]:
+    """The training and held-out splits a drafter learns from: the shards of
+    ``options.data`` (``specserve train data``), up to ``options.data_tokens`` answer tokens of
+    training; else the built-in prompts (or ``options.prompts``) answered now and cached in
+    the output directory."""
+    if getattr(options, "data", None):
+        from tooling.training.shards import load_split
+
+        root = Path(options.data)
+        return {
+            "train": load_split(root / "train", options.data_tokens),
+            "held_out": load_split(root / "held_out"),
+        }
+    from tooling.training.prompts import train_and_held_out
+
+    prompts = options.prompts or train_and_held_out(
+        options.num_prompts, options.num_held_out, options.seed
+    )
+    return cached_features(llm, options, cached_answers(llm, options, prompts))

@@ -244,3 +244,25 @@ def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int) 
     conversations = make_shard(llm, recipe, split, index)
     save_shard(directory, index, conversations, time.perf_counter() - started)
     return sum(c.answer_tokens for c in conversations)
+
+
+def load_split(directory: Path, max_answer_tokens: int | None = None):
+    """The conversations of ``directory``'s shards as a ``FeatureSplit``, in shard order, up to
+    ``max_answer_tokens`` answer tokens (whole conversations; None: all)."""
+    from tooling.training.self_distillation import FeatureSplit
+
+    paths = shard_paths(Path(directory))
+    if not paths:
+        raise ValueError(f"{directory}: no shards (make them with `specserve train data`)")
+    split = FeatureSplit([], [], [], [])
+    total = 0
+    for path in paths:
+        for c in load_shard(path):
+            if max_answer_tokens is not None and total >= max_answer_tokens:
+                return split
+            split.sequences.append(c.tokens)
+            split.starts.append(c.spans[0][0])
+            split.features.append(c.features)
+            split.spans.append(c.spans)
+            total += c.answer_tokens
+    return split

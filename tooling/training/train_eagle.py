@@ -27,13 +27,11 @@ from torch.nn import functional as F
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.eagle import EagleNetwork
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
-from tooling.training.prompts import train_and_held_out
 from tooling.training.self_distillation import (
     FeatureSplit,
     answer_mask,
-    cached_answers,
-    cached_features,
     padded,
+    training_splits,
 )
 from tooling.training.train_heads import draft_vocabulary
 
@@ -59,13 +57,8 @@ class EagleTrainOptions:
     seed: int = 0
     resume: bool = False
     prompts: tuple[list, list] | None = None
-
-
-def _splits(llm, options: EagleTrainOptions) -> dict[str, FeatureSplit]:
-    prompts = options.prompts or train_and_held_out(
-        options.num_prompts, options.num_held_out, options.seed
-    )
-    return cached_features(llm, options, cached_answers(llm, options, prompts))
+    data: Path | None = None  # shards of `specserve train data` instead of the prompts
+    data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
 
 
 def _batch(split: FeatureSplit, index: list[int], embed):
@@ -83,6 +76,17 @@ def _batch(split: FeatureSplit, index: list[int], embed):
 def _shift(x: torch.Tensor, by: int = 1) -> torch.Tensor:
     """x [B, T, ...] moved ``by`` positions later along T, zeros in front."""
     return F.pad(x, (0, 0) * (x.dim() - 2) + (by, 0))[:, : x.shape[1]]
+
+
+CURVE_START, CURVE_SAMPLE = 50_000, 96  # first milestone (answer tokens); held-out sample
+
+
+def _first(split: FeatureSplit, count: int) -> FeatureSplit:
+    """The first ``count`` sequences of ``split``."""
+    return FeatureSplit(
+        split.sequences[:count], split.starts[:count], split.features[:count],
+        None if split.spans is None else split.spans[:count],
+    )  # fmt: skip
 
 
 def unrolled_outputs(network: EagleNetwork, rope, embeddings, features, depth: int, noise=0.0):
@@ -184,10 +188,9 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     torch.manual_seed(options.seed)
     model = llm.engine.model
     arch = model.arch
-    splits = _splits(llm, options)
+    splits = training_splits(llm, options)
     train = splits["train"]
-    labels = torch.cat([torch.tensor(seq[start:]) for seq, start in
-                        zip(train.sequences, train.starts, strict=True)])  # fmt: skip
+    labels = train.answer_labels()
     vocab = draft_vocabulary(labels, options.draft_vocab_size)
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
@@ -211,7 +214,29 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         )  # fmt: skip
         return sum(_losses(outputs, features, readout, answer))
 
-    train_epochs(network, optimizer, options, len(train.sequences), loss_of, 1.0, run)
+    held_out = splits["held_out"]
+    sample = _first(held_out, CURVE_SAMPLE)
+    milestone, seen = [CURVE_START], [0]
+
+    def after_step(batch: list[int]) -> None:
+        """The learning curve: top-1 held-out accuracy per depth whenever the answer tokens
+        trained on pass the next milestone (doubling), on a sample of the held-out split."""
+        seen[0] += sum(train.answer_tokens(i) for i in batch)
+        if seen[0] < milestone[0]:
+            return
+        while milestone[0] <= seen[0]:
+            milestone[0] *= 2
+        rows = held_out_accuracies(
+            network, rope_of, sample, model.embed, readout, vocab, arch.vocab_size,
+            options.depth, 1,
+        )  # fmt: skip
+        top1 = [round(row[0], 4) for row in rows]
+        run.learning_curve.append((seen[0], top1))
+        print(f"\nafter {seen[0]:,} answer tokens: held-out top-1 by depth {top1}")
+
+    train_epochs(
+        network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step
+    )
     accuracies = held_out_accuracies(
         network, rope_of, splits["held_out"], model.embed, readout, vocab, arch.vocab_size,
         options.depth, options.top_k,

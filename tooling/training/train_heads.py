@@ -25,8 +25,7 @@ from engine.decoders.hydra import HydraHeads
 from engine.decoders.medusa import MedusaHeads
 from engine.decoders.trained_heads import rank_tree
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
-from tooling.training.prompts import train_and_held_out
-from tooling.training.self_distillation import answer_features, cached_answers, cached_features
+from tooling.training.self_distillation import answer_features, training_splits
 
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 
@@ -51,16 +50,15 @@ class HeadsTrainOptions:
     # Prompts instead of the built-in set: (training, held-out), texts (user messages) or token
     # id lists (the model's input as it is).
     prompts: tuple[list, list] | None = None
+    data: Path | None = None  # shards of `specserve train data` instead of the prompts
+    data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
 
 
 def _data(llm, options: HeadsTrainOptions) -> dict:
     """Answers and the features along them for the training and held-out prompts, as rows of
     the positions whose next token is an answer token; both are cached in the output
     directory, so ``--resume`` (or a second run) skips them."""
-    prompts = options.prompts or train_and_held_out(
-        options.num_prompts, options.num_held_out, options.seed
-    )
-    splits = cached_features(llm, options, cached_answers(llm, options, prompts))
+    splits = training_splits(llm, options)
     data = {}
     for name, split in splits.items():
         features, owners, positions = answer_features(split)

@@ -21,14 +21,12 @@ import torch
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
-from tooling.training.prompts import train_and_held_out
 from tooling.training.self_distillation import (
     answer_mask,
-    cached_answers,
-    cached_features,
     padded,
     progress_bar,
     sequence_features,
+    training_splits,
 )
 from tooling.training.train_heads import draft_vocabulary
 
@@ -50,6 +48,8 @@ class KangarooTrainOptions:
     seed: int = 0
     resume: bool = False
     prompts: tuple[list, list] | None = None
+    data: Path | None = None  # shards of `specserve train data` instead of the prompts
+    data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
 
 
 def _logits_and_teacher(adapter, model, readout, split, shallow, index):
@@ -89,10 +89,7 @@ def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
     arch = model.arch
     if not 1 <= options.exit_layer < arch.num_layers:
         raise ValueError(f"--exit-layer must be in [1, {arch.num_layers - 1}]")
-    prompts = options.prompts or train_and_held_out(
-        options.num_prompts, options.num_held_out, options.seed
-    )
-    splits = cached_features(llm, options, cached_answers(llm, options, prompts))
+    splits = training_splits(llm, options)
     shallow = {}
     for name, split in splits.items():
         with progress_bar(len(split.sequences), f"{name}: layer {options.exit_layer}") as bar:
@@ -100,8 +97,7 @@ def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
                 model, split.sequences, progress=bar.update, layer=options.exit_layer - 1
             )
     train = splits["train"]
-    labels = torch.cat([torch.tensor(seq[start:]) for seq, start in
-                        zip(train.sequences, train.starts, strict=True)])  # fmt: skip
+    labels = train.answer_labels()
     vocab = draft_vocabulary(labels, options.draft_vocab_size)
     print(f"draft vocabulary: {len(vocab)} tokens, {torch.isin(labels, vocab).float().mean():.1%}"
           " of training labels")  # fmt: skip

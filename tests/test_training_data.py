@@ -1,0 +1,155 @@
+"""The self-distillation set at scale (`specserve train data`): its requests, its shards, and a
+build that continues after an interruption with the same data."""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import pytest
+import torch
+
+from tooling.cli_train import parse_token_count
+from tooling.training import prompt_mix
+from tooling.training.self_distillation import answer_mask
+from tooling.training.shards import (
+    Recipe,
+    _continued,
+    _user_turn,
+    build,
+    load_shard,
+    load_split,
+    shard_paths,
+)
+
+SMALL = dict(shard_requests=3, answers_per_request=2, max_tokens=12, follow_up_max_tokens=6,
+             follow_up_share=1.0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat_llm(tiny_chat_model_dir):
+    from engine import LLM
+
+    return LLM(
+        model=str(tiny_chat_model_dir),
+        decoder={"method": "autoregressive", "load_shipped_drafters": False},
+    )
+
+
+def test_held_out_subjects_are_never_training_subjects():
+    train, held = set(prompt_mix.subjects("train")), set(prompt_mix.subjects("held_out"))
+    assert train and held and not train & held
+    assert train | held == set(prompt_mix.SUBJECTS)
+    rng = random.Random(0)
+    drawn = {prompt_mix.request(rng, "held_out").subject for _ in range(200)}
+    assert drawn <= held and len(drawn) > 10
+
+
+def test_requests_are_reproducible_and_never_a_benchmark_prompt(monkeypatch):
+    a = [prompt_mix.request(random.Random(7), "train") for _ in range(3)]
+    b = [prompt_mix.request(random.Random(7), "train") for _ in range(3)]
+    assert a == b
+    # A benchmark prompt the generator would produce is skipped, not returned.
+    first = prompt_mix.request(random.Random(1), "train", follow_up_share=0).message
+    monkeypatch.setattr(prompt_mix, "benchmark_prompts", lambda: {first})
+    assert prompt_mix.request(random.Random(1), "train", follow_up_share=0).message != first
+
+
+def test_the_real_benchmark_prompts_are_read():
+    assert "Write a short poem about the sea." in prompt_mix.benchmark_prompts()
+
+
+def test_token_counts_parse_with_suffixes():
+    assert parse_token_count("10M") == 10_000_000
+    assert parse_token_count("2.5m") == 2_500_000
+    assert parse_token_count("400k") == 400_000
+    assert parse_token_count("123") == 123
+    for bad in ("ten", "0", "-1k"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_token_count(bad)
+
+
+def _recipe(**overrides) -> Recipe:
+    return Recipe(target={"model": "tiny"}, **{**SMALL, **overrides})
+
+
+def _contents(directory):
+    return [
+        [(c.tokens, c.spans, c.temperature, c.features) for c in load_shard(p)]
+        for p in shard_paths(directory)
+    ]
+
+
+def _same(a, b) -> bool:
+    if len(a) != len(b):
+        return False
+    for shard_a, shard_b in zip(a, b, strict=True):
+        for (ta, sa, pa, fa), (tb, sb, pb, fb) in zip(shard_a, shard_b, strict=True):
+            if ta != tb or sa != sb or pa != pb or not torch.equal(fa, fb):
+                return False
+    return len(a) > 0
+
+
+def test_an_interrupted_build_continues_with_the_same_data(chat_llm, tmp_path):
+    recipe = _recipe()
+    whole = build(chat_llm, tmp_path / "whole", recipe, budget=150)
+    # Interrupted: one shard done, a second one half-written (a temporary file) when it stopped.
+    build(chat_llm, tmp_path / "resumed", recipe, budget=1)
+    assert len(shard_paths(tmp_path / "resumed" / "train")) == 1
+    (tmp_path / "resumed" / "train" / "shard-00001.tmp").write_bytes(b"half a shard")
+    resumed = build(chat_llm, tmp_path / "resumed", recipe, budget=150)
+    assert resumed == whole >= 150
+    for split in ("train", "held_out"):
+        assert _same(_contents(tmp_path / "whole" / split), _contents(tmp_path / "resumed" / split))
+
+
+def test_conversations_hold_both_turns_with_features_everywhere(chat_llm, tmp_path):
+    build(chat_llm, tmp_path, _recipe(), budget=1)
+    conversations = load_shard(shard_paths(tmp_path / "train")[0])
+    assert {c.temperature for c in conversations} == {0.0, 0.7}  # greedy, then sampled
+    two_turns = [c for c in conversations if len(c.spans) == 2]
+    for c in conversations:
+        hidden = chat_llm.engine.model.arch.hidden_size
+        assert c.features.shape == (len(c.tokens), hidden) and c.features.dtype == torch.float16
+        assert c.spans[-1][1] == len(c.tokens)
+    for c in two_turns:  # the follow-up turn: the user's message between the two answers
+        (a0, a1), (b0, b1) = c.spans
+        between = chat_llm.tokenizer.decode(c.tokens[a1:b0])
+        assert a1 < b0 and "user" in between and any(f in between for f in prompt_mix.FOLLOW_UPS)
+
+
+def test_a_follow_up_extends_the_conversation_as_the_chat_template_writes_it(chat_llm):
+    first = chat_llm.render_chat([{"role": "user", "content": "Hello"}])
+    answer = chat_llm.tokenizer.encode("Hi there.", add_special_tokens=False)
+    turn = _user_turn(chat_llm, "Can you make that shorter?")
+    expected = chat_llm.render_chat([
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi there."},
+        {"role": "user", "content": "Can you make that shorter?"},
+    ])  # fmt: skip
+    assert _continued(first + answer, turn) == expected
+    end = turn[0]  # an answer that stopped on the end-of-turn token keeps one of them
+    assert _continued(first + answer + [end], turn) == expected
+
+
+def test_a_split_masks_exactly_the_answer_turns(chat_llm, tmp_path):
+    build(chat_llm, tmp_path, _recipe(), budget=1)
+    split = load_split(tmp_path / "train")
+    width = max(len(s) for s in split.sequences)
+    mask = answer_mask(split, list(range(len(split.sequences))), width)
+    for i, spans in enumerate(split.spans):
+        expected = torch.zeros(width, dtype=torch.bool)
+        for start, end in spans:
+            expected[start - 1 : end - 1] = True  # positions whose next token is an answer's
+        assert torch.equal(mask[i], expected)
+    assert len(split.answer_labels()) == sum(
+        split.answer_tokens(i) for i in range(len(split.sequences))
+    )
+    capped = load_split(tmp_path / "train", max_answer_tokens=1)
+    assert len(capped.sequences) == 1
+
+
+def test_another_recipe_in_the_same_directory_is_refused(chat_llm, tmp_path):
+    build(chat_llm, tmp_path, _recipe(), budget=1)
+    with pytest.raises(ValueError, match="another recipe .*max_tokens"):
+        build(chat_llm, tmp_path, _recipe(max_tokens=13), budget=1)
