@@ -91,10 +91,8 @@ def parse_token_count(text: str) -> int:
 
 
 def _cmd_train_data(args: argparse.Namespace) -> int:
-    from engine.decoders.drafter_files import target_signature
-    from engine.models.pull import cache_dir
     from tooling.training.self_distillation import progress_bar
-    from tooling.training.shards import Recipe, build
+    from tooling.training.shards import build, build_from_file, default_root, recipe_for
 
     temperatures = tuple(float(t) for t in args.temperatures.split(",") if t)
     if args.answers < 1 or args.shard_requests < 1 or args.batch < 1:
@@ -102,10 +100,10 @@ def _cmd_train_data(args: argparse.Namespace) -> int:
     if args.answers > 1 and (not temperatures or min(temperatures) <= 0):
         raise ValueError("--temperatures: one or more values > 0 for the sampled answers")
     llm = _training_llm(args, batch=args.batch)
-    model_name = Path(str(llm.model_dir)).name
-    root = Path(args.output) if args.output else cache_dir() / "training-data" / model_name
-    recipe = Recipe(
-        target=target_signature(llm.engine.model) | {"model": model_name},
+    source = Path(args.conversations) if args.conversations else None
+    root = Path(args.output) if args.output else default_root(llm.model_dir, source)
+    recipe = recipe_for(
+        llm,
         seed=args.seed,
         shard_requests=args.shard_requests,
         answers_per_request=args.answers,
@@ -116,7 +114,10 @@ def _cmd_train_data(args: argparse.Namespace) -> int:
     )
     with progress_bar(args.tokens, "answer tokens") as bar:
         bar.unit, bar.unit_scale = "tok", True
-        total = build(llm, root, recipe, args.tokens, args.held_out_shards, bar.update)
+        if source is None:
+            total = build(llm, root, recipe, args.tokens, args.held_out_shards, bar.update)
+        else:
+            total = build_from_file(llm, source, root, recipe, args.tokens, None, bar.update)
     print(f"{root}: {total:,} training answer tokens")
     return 0
 
@@ -138,6 +139,13 @@ def _add_data_parser(which) -> None:
     p.add_argument("--tokens", type=parse_token_count, default=10_000_000,
                    help="training answer tokens to reach, e.g. 10M (default) or 400k")  # fmt: skip
     p.add_argument("--output", help="data directory (default: <cache>/training-data/<model>)")
+    p.add_argument(
+        "--from",
+        dest="conversations",
+        metavar="FILE",
+        help="your own conversations (JSONL: OpenAI 'messages' or ShareGPT 'conversations' "
+        "per line) instead of specserve's requests: the target answers their user turns",
+    )
     p.add_argument("--batch", type=int, default=64, help="sequences decoded together")
     p.add_argument("--shard-requests", type=int, default=128, help="requests per shard")
     p.add_argument("--answers", type=int, default=2, help="answers per request (first greedy)")
@@ -244,8 +252,10 @@ def _add_common_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data",
-        help="a data directory of `specserve train data` (its shards, instead of answering "
-        "--prompts or the built-in prompts now)",
+        help="a data directory of `specserve train data`, or your own conversations (a JSONL "
+        "file: OpenAI 'messages' or ShareGPT 'conversations' per line; the target answers "
+        "their user turns, kept in the cache); default: answer --prompts or the built-in "
+        "prompts now",
     )
     p.add_argument(
         "--data-tokens",

@@ -187,12 +187,25 @@ def subjects(split: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Request:
-    """One conversation to have with the target: its first user message, and the follow-up
-    the user sends after the first answer (None for a single turn)."""
+    """One conversation to have with the target: the user's messages, one per turn (each
+    after the target's answer to the one before), and an optional system message."""
 
-    message: str
-    follow_up: str | None = None
+    user_turns: tuple[str, ...]
+    system: str | None = None
     subject: str = ""  # what it is about (the split's subjects are disjoint)
+
+    @property
+    def message(self) -> str:
+        return self.user_turns[0]
+
+    @property
+    def follow_up(self) -> str | None:
+        return self.user_turns[1] if len(self.user_turns) > 1 else None
+
+    def opening(self) -> list[dict]:
+        """The messages before the target's first answer."""
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return [*system, {"role": "user", "content": self.user_turns[0]}]
 
 
 def request(rng: random.Random, split: str, follow_up_share: float = 0.25) -> Request:
@@ -208,4 +221,4 @@ def request(rng: random.Random, split: str, follow_up_share: float = 0.25) -> Re
         if message not in forbidden:
             break
     follow = rng.choice(FOLLOW_UPS) if rng.random() < follow_up_share else None
-    return Request(message, follow, subject)
+    return Request((message,) if follow is None else (message, follow), subject=subject)

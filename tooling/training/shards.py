@@ -19,7 +19,7 @@ import hashlib
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +45,9 @@ class Recipe:
     follow_up_max_tokens: int = 256
     follow_up_share: float = 0.25
     generator_version: int = GENERATOR_VERSION
+    # Where the requests come from: None, specserve's own generator (prompt_mix); else a
+    # user's conversations file (its name, sha256 and how many conversations it holds).
+    source: dict | None = None
 
     def temperature(self, answer: int) -> float:
         if answer == 0:
@@ -89,31 +92,40 @@ def shard_requests(recipe: Recipe, split: str, index: int) -> list[Request]:
 
 def make_shard(llm, recipe: Recipe, split: str, index: int) -> list[Conversation]:
     """Shard ``index`` of ``split``: the target's conversations with its requests."""
-    requests = shard_requests(recipe, split, index)
-    prompts, params, owners = [], [], []
-    for r, req in enumerate(requests):
-        rendered = llm.render_chat([{"role": "user", "content": req.message}])
-        for a in range(recipe.answers_per_request):
-            prompts.append(rendered)
-            params.append(_params(recipe, a, recipe.max_tokens, split, index, r, 1))
-            owners.append((r, a))
-    first = llm.generate(prompts, params, return_hidden_states=True)
-    conversations = [_conversation(llm, out, params[i].temperature) for i, out in enumerate(first)]
-    # The follow-up turns: after a complete first answer, the user's next message.
-    again, again_params, where = [], [], []
-    for i, out in enumerate(first):
-        r, a = owners[i]
-        if requests[r].follow_up is None or out.outputs[0].finish_reason != "stop":
-            continue
-        again.append(_continued(conversations[i].tokens, _user_turn(llm, requests[r].follow_up)))
-        again_params.append(_params(recipe, a, recipe.follow_up_max_tokens, split, index, r, 2))
-        where.append(i)
-    if again:
-        second = llm.generate(again, again_params, return_hidden_states=True)
-        for i, out in zip(where, second, strict=True):
-            turn = _conversation(llm, out, conversations[i].temperature)
-            turn.spans = conversations[i].spans + turn.spans
-            conversations[i] = turn
+    return converse(llm, recipe, shard_requests(recipe, split, index), (split, index))
+
+
+def converse(llm, recipe: Recipe, requests: list[Request], where: tuple) -> list[Conversation]:
+    """The target's conversations with ``requests``, ``recipe.answers_per_request`` each, all
+    batched turn by turn: each user turn after the first follows the target's own complete
+    answer to the one before (a conversation whose answer ran out of tokens ends there).
+    ``where`` names the batch in the seeds, so each answer has its own."""
+    owners = [(r, a) for r in range(len(requests)) for a in range(recipe.answers_per_request)]
+    conversations: list[Conversation | None] = [None] * len(owners)
+    endings: list[str | None] = [None] * len(owners)
+    for turn in range(1, max(len(q.user_turns) for q in requests) + 1):
+        prompts, params, which = [], [], []
+        for i, (r, a) in enumerate(owners):
+            user_turns = requests[r].user_turns
+            if turn > len(user_turns) or (turn > 1 and endings[i] != "stop"):
+                continue
+            if turn == 1:
+                prompts.append(llm.render_chat(requests[r].opening()))
+            else:
+                next_turn = _user_turn(llm, user_turns[turn - 1])
+                prompts.append(_continued(conversations[i].tokens, next_turn))
+            limit = recipe.max_tokens if turn == 1 else recipe.follow_up_max_tokens
+            params.append(_params(recipe, a, limit, *where, r, turn))
+            which.append(i)
+        if not prompts:
+            break
+        outputs = llm.generate(prompts, params, return_hidden_states=True)
+        for i, out in zip(which, outputs, strict=True):
+            conversation = _conversation(llm, out, recipe.temperature(owners[i][1]))
+            if conversations[i] is not None:
+                conversation.spans = conversations[i].spans + conversation.spans
+            conversations[i] = conversation
+            endings[i] = out.outputs[0].finish_reason
     return conversations
 
 
@@ -200,9 +212,10 @@ def answer_tokens_in(directory: Path) -> int:
 def check_recipe(root: Path, recipe: Recipe) -> None:
     """Write the recipe of a new data set, or refuse to extend one made with another."""
     path = root / RECIPE_FILE
-    wanted = json.loads(json.dumps(asdict(recipe)))
+    # Unset fields are left out, so data made before a field existed still matches.
+    wanted = {k: v for k, v in json.loads(json.dumps(asdict(recipe))).items() if v is not None}
     if path.is_file():
-        found = json.loads(path.read_text())
+        found = {k: v for k, v in json.loads(path.read_text()).items() if v is not None}
         if found != wanted:
             keys = wanted.keys() | found.keys()
             changed = sorted(k for k in keys if found.get(k) != wanted.get(k))
@@ -217,17 +230,58 @@ def check_recipe(root: Path, recipe: Recipe) -> None:
 
 def build(llm, root: Path, recipe: Recipe, budget: int, held_out_shards: int = 1,
           progress=None) -> int:  # fmt: skip
-    """Shards under ``root``/train until they hold ``budget`` answer tokens, and
-    ``held_out_shards`` under ``root``/held_out; returns the training split's answer tokens."""
+    """Shards of specserve's own requests under ``root``/train until they hold ``budget``
+    answer tokens, and ``held_out_shards`` under ``root``/held_out (on subjects training
+    never sees); returns the training split's answer tokens."""
+
+    def requests_of(split: str, index: int) -> list[Request] | None:
+        if split == "held_out" and index >= held_out_shards:
+            return None
+        return shard_requests(recipe, split, index)
+
+    return _build(llm, root, recipe, budget, requests_of, progress)
+
+
+def build_from_file(llm, path: Path, root: Path, recipe: Recipe, budget: int,
+                    held_out: int | None = None, progress=None) -> int:  # fmt: skip
+    """Shards of the conversations in a JSONL file (``conversations_file``) under ``root``:
+    the last ``held_out`` conversations held out (None: 5%, 1 to 64), the others for
+    training, in order, until the file ends or the training split holds ``budget`` answer
+    tokens."""
+    from tooling.training.conversations_file import read_conversations
+
+    found = read_conversations(path)
+    print(f"{path}: {found.summary()}")
+    requests = found.requests
+    if held_out is None:
+        held_out = max(1, min(64, len(requests) // 20))
+    if len(requests) <= held_out:
+        raise ValueError(f"{path}: {len(requests)} conversations, need more than {held_out}")
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    source = {"file": Path(path).name, "sha256": digest, "conversations": len(requests)}
+    recipe = replace(recipe, source=source)
+    cut = len(requests) - held_out
+    parts = {"train": requests[:cut], "held_out": requests[cut:]}
+    size = recipe.shard_requests
+
+    def requests_of(split: str, index: int) -> list[Request] | None:
+        return parts[split][index * size : (index + 1) * size] or None
+
+    return _build(llm, root, recipe, budget, requests_of, progress)
+
+
+def _build(llm, root: Path, recipe: Recipe, budget: int, requests_of, progress) -> int:
     check_recipe(root, recipe)
-    for index in range(held_out_shards):
-        _ensure_shard(llm, root / "held_out", recipe, "held_out", index)
+    index = 0
+    while (requests := requests_of("held_out", index)) is not None:
+        _ensure_shard(llm, root / "held_out", recipe, "held_out", index, requests)
+        index += 1
     done = answer_tokens_in(root / "train")
     if progress is not None:
         progress(done)
     index = 0
-    while done < budget:
-        made = _ensure_shard(llm, root / "train", recipe, "train", index)
+    while done < budget and (requests := requests_of("train", index)) is not None:
+        made = _ensure_shard(llm, root / "train", recipe, "train", index, requests)
         index += 1
         if made:
             done += made
@@ -236,12 +290,13 @@ def build(llm, root: Path, recipe: Recipe, budget: int, held_out_shards: int = 1
     return done
 
 
-def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int) -> int:
+def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int,
+                  requests: list[Request]) -> int:  # fmt: skip
     """Make shard ``index`` unless it exists; the answer tokens it added (0 if it existed)."""
     if (directory / f"shard-{index:05d}.pt").is_file():
         return 0
     started = time.perf_counter()
-    conversations = make_shard(llm, recipe, split, index)
+    conversations = converse(llm, recipe, requests, (split, index))
     save_shard(directory, index, conversations, time.perf_counter() - started)
     return sum(c.answer_tokens for c in conversations)
 
@@ -266,3 +321,23 @@ def load_split(directory: Path, max_answer_tokens: int | None = None):
             split.spans.append(c.spans)
             total += c.answer_tokens
     return split
+
+
+def default_root(model_dir: Path, conversations: Path | None = None) -> Path:
+    """Where a model's data set lives in the cache: its own requests' set, or one per
+    conversations file (by name and content)."""
+    from engine.models.pull import cache_dir
+
+    base = cache_dir() / "training-data" / Path(str(model_dir)).name
+    if conversations is None:
+        return base
+    digest = hashlib.sha256(Path(conversations).read_bytes()).hexdigest()[:12]
+    return base.with_name(f"{base.name}-{Path(conversations).stem}-{digest}")
+
+
+def recipe_for(llm, **options) -> Recipe:
+    """A recipe for ``llm``'s model (its shape and directory name identify it)."""
+    from engine.decoders.drafter_files import target_signature
+
+    name = Path(str(llm.model_dir)).name
+    return Recipe(target=target_signature(llm.engine.model) | {"model": name}, **options)
