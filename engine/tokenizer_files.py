@@ -12,3 +12,13 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer  # heavy: only when a model has tokenizer files
 
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def load_api_tokenizer(model_dir: Path):
+    """The tokenizer the API process uses: ``FastTokenizer`` (no transformers, so no torch)
+    where the model has a tokenizer.json, else the transformers one (a slow tokenizer)."""
+    if (model_dir / "tokenizer.json").is_file():
+        from engine.fast_tokenizer import FastTokenizer
+
+        return FastTokenizer(model_dir)
+    return load_tokenizer(model_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 from engine.config import EngineConfig
 from engine.constraints.vocabulary import ConstraintVocabulary
 from engine.core_process import AsyncEngineClient
-from engine.tokenizer_files import load_tokenizer
+from engine.tokenizer_files import load_api_tokenizer
 from server.auth import key_is_valid
 from server.cors import CorsSettings
 from server.errors import APIError
@@ -74,7 +74,7 @@ class ServerState:
 
     async def _start(self) -> None:
         info = await self.client.start()
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, Path(info.model_dir))
+        self.tokenizer = await asyncio.to_thread(load_api_tokenizer, Path(info.model_dir))
         # Checks constraints against the vocabulary (a grammar naming a special token the
         # model lacks) before a response starts; llguidance's tokenizer is built on first use.
         self.constraints = ConstraintVocabulary(

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from tooling.training.conversations_file import read_conversations
-from tooling.training.self_distillation import training_splits
+from tooling.training.data import training_splits
 
 
 def _write(path, lines):

@@ -44,9 +44,13 @@ class ConstraintVocabulary:
     def tokenizer(self):
         """The llguidance tokenizer."""
         if self._tokenizer is None:
-            import llguidance.hf  # loaded on the first constrained request only
+            tokenizer = self.hf_tokenizer
+            if hasattr(tokenizer, "llguidance"):  # a FastTokenizer: no transformers needed
+                self._tokenizer = tokenizer.llguidance(self.vocab_size, self.eos_token_ids)
+            else:
+                import llguidance.hf  # loaded on the first constrained request only
 
-            self._tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
+                self._tokenizer = llguidance.hf.from_tokenizer(
+                    tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
         return self._tokenizer

@@ -230,35 +230,3 @@ def answer_features(split: FeatureSplit):
             owners += [i] * (end - start)
             where += range(start - 1, end - 1)
     return torch.cat(features), torch.tensor(owners), torch.tensor(where)
-
-
-def training_splits(llm, options) -> dict[str, FeatureSplit]:
-    """The training and held-out splits a drafter learns from: the shards of
-    ``options.data`` (``specserve train data``), up to ``options.data_tokens`` answer tokens of
-    training; else the built-in prompts (or ``options.prompts``) answered now and cached in
-    the output directory."""
-    if getattr(options, "data", None):
-        from tooling.training.shards import load_split
-
-        root = Path(options.data)
-        if root.is_file():  # a conversations file: answered now, kept in the cache
-            root = _shards_of_file(llm, root, options.data_tokens)
-        return {
-            "train": load_split(root / "train", options.data_tokens),
-            "held_out": load_split(root / "held_out"),
-        }
-    from tooling.training.prompts import train_and_held_out
-
-    prompts = options.prompts or train_and_held_out(
-        options.num_prompts, options.num_held_out, options.seed
-    )
-    return cached_features(llm, options, cached_answers(llm, options, prompts))
-
-
-def _shards_of_file(llm, path: Path, budget: int | None) -> Path:
-    from tooling.training.shards import build_from_file, default_root, recipe_for
-
-    root = default_root(llm.model_dir, path)
-    with progress_bar(budget or 0, "answer tokens") as bar:
-        build_from_file(llm, path, root, recipe_for(llm), budget or 10**12, None, bar.update)
-    return root

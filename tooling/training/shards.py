@@ -26,7 +26,7 @@ import torch
 
 from engine.sampling import SamplingParams
 from tooling.training.prompt_mix import Request, request
-from tooling.training.self_distillation import final_features
+from tooling.training.self_distillation import FeatureSplit, final_features
 
 RECIPE_FILE = "recipe.json"
 GENERATOR_VERSION = 1  # bump when prompt_mix or the shard layout changes what a shard holds
@@ -304,8 +304,6 @@ def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int,
 def load_split(directory: Path, max_answer_tokens: int | None = None):
     """The conversations of ``directory``'s shards as a ``FeatureSplit``, in shard order, up to
     ``max_answer_tokens`` answer tokens (whole conversations; None: all)."""
-    from tooling.training.self_distillation import FeatureSplit
-
     paths = shard_paths(Path(directory))
     if not paths:
         raise ValueError(f"{directory}: no shards (make them with `specserve train data`)")

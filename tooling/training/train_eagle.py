@@ -26,12 +26,12 @@ from torch.nn import functional as F
 
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.eagle import EagleNetwork
+from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.self_distillation import (
     FeatureSplit,
     answer_mask,
     padded,
-    training_splits,
 )
 from tooling.training.train_heads import draft_vocabulary
 

@@ -24,8 +24,9 @@ from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.hydra import HydraHeads
 from engine.decoders.medusa import MedusaHeads
 from engine.decoders.trained_heads import rank_tree
+from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
-from tooling.training.self_distillation import answer_features, training_splits
+from tooling.training.self_distillation import answer_features
 
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 

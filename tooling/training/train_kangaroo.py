@@ -20,13 +20,13 @@ import torch
 
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
+from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.self_distillation import (
     answer_mask,
     padded,
     progress_bar,
     sequence_features,
-    training_splits,
 )
 from tooling.training.train_heads import draft_vocabulary
 
