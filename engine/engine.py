@@ -377,10 +377,8 @@ class Engine:
             self._record_prompt_logprobs(wanted)
             if hidden is not None:
                 _capture_hidden(hidden, scheduled, items)  # sequences that opted out of drafts
-            emitted, accepted_drafts = self.speculator.verify(
-                logits, scheduled, completing, proposals, hidden
-            )
-            sources = self.speculator.last_sources
+            found = spec.verify(logits, scheduled, completing, proposals, hidden)
+            emitted, accepted_drafts, sources = found.emitted, found.accepted, found.sources
             # Forward and verification: a step with drafts pays for both.
             spec.observe_forward(items, time.perf_counter() - started, drafted=bool(proposals))
         for s in scheduled:

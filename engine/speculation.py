@@ -58,6 +58,17 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
+@dataclass
+class Verification:
+    """What one verification found: each completing sequence's new tokens, how many of each
+    drafting sequence's drafts stood, and the new tokens' sources (engine.provenance) for the
+    sequences that asked for them."""
+
+    emitted: list[tuple[Sequence, list[SampledToken]]]
+    accepted: dict[Sequence, int]
+    sources: dict[Sequence, list]
+
+
 class Speculator:
     """Runs the loaded drafting decoders for the sequences that use them, and verifies.
 
@@ -93,7 +104,6 @@ class Speculator:
         self._warm_decoders: set[str] = set()  # decoders whose drafting time is measured
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()  # all decoders together
-        self.last_sources: dict = {}  # verify(): each sequence's token sources, if it asked
         self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
 
     @property
@@ -237,12 +247,12 @@ class Speculator:
         completing: list[bool],
         proposals: dict[Sequence, Proposal],
         hidden: torch.Tensor | None = None,
-    ) -> tuple[list[tuple[Sequence, list[SampledToken]]], dict[Sequence, int]]:
-        """Accept drafts: returns each completing sequence's new tokens (with their sources,
-        engine.provenance, in ``self.last_sources``), and how many of each
-        drafting sequence's drafts stood (the engine marks them computed, with the step's
-        tokens, and releases the rest). ``hidden``: the target's last-layer hidden states of
-        every token row, for decoders that read them.
+    ) -> Verification:
+        """Accept drafts: what the verification found (``Verification``: each completing
+        sequence's new tokens, their sources where asked, how many of each drafting
+        sequence's drafts stood, which the engine marks computed with the step's tokens and
+        releases the rest). ``hidden``: the target's last-layer hidden states of every token
+        row, for decoders that read them.
 
         Call after the forward pass and before the sequences' token counts move on.
         """
@@ -259,7 +269,7 @@ class Speculator:
             seqs.append(s)
         verified = self.rejection_sampler(logits, runs)
         results, accepted, paths = [], {}, {}
-        self.last_sources = {
+        sources = {
             s.seq: sources_of_run(len(run.draft_token_ids), v.path, run.parents)
             for s, run, v in zip(seqs, runs, verified, strict=True)
             if s.seq.sampling_params.return_provenance
@@ -285,7 +295,7 @@ class Speculator:
             self._observe_target_confidence(logits, runs, verified, rows)
         if hidden is not None:
             self.hand_out_features(hidden, scheduled, proposals, paths)
-        return results, accepted
+        return Verification(results, accepted, sources)
 
     def hand_out_features(self, hidden, scheduled, proposals, paths) -> None:
         """Give each feature-reading decoder the target's hidden states of the tokens that
