@@ -198,9 +198,10 @@ async def _sse(p: Prepared, start: float) -> AsyncIterator[dict]:
 def _log(p: Prepared, status: int, start: float) -> None:
     usage = p.run.usage
     log.info(
-        "%s status=%d prompt_tokens=%d completion_tokens=%d latency=%.3fs",
+        "%s status=%d finished_reason=%s prompt_tokens=%d completion_tokens=%d latency=%.3fs",
         p.response_id,
         status,
+        p.run.endings(),
         usage.prompt_tokens,
         usage.completion_tokens,
         time.perf_counter() - start,

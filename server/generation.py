@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from engine.core_protocol import EngineDeadError, RequestTimeoutError
+from engine.core_protocol import EngineDeadError, RequestTimeoutError, StreamBacklogError
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SampledToken, SamplingParams
 from server.metrics import ServerMetrics
@@ -81,7 +81,11 @@ class RequestRun:
         )
 
     async def events(self) -> AsyncIterator[ChoiceEvent]:
-        """All choices' events, interleaved as they arrive; ends when every choice is done."""
+        """All choices' events, interleaved as they arrive; ends when every choice is done.
+        A choice that ends any other way than stop or length is counted with how it ended
+        (``ending_of``): the client left, the deadline passed, the reader fell behind, the
+        engine failed."""
+        ending = "abort"  # left before the end without an error: the client went away
         try:
             if len(self.prompts) == 1:
                 async with contextlib.aclosing(self._prompt_events(0)) as events:
@@ -91,8 +95,26 @@ class RequestRun:
                 async with contextlib.aclosing(self._merged_events()) as events:
                     async for event in events:
                         yield event
+            ending = None
+        except BaseException as e:
+            ending = ending_of(e)
+            raise
         finally:
+            if ending is not None:
+                self._count_unfinished(ending)
             self.on_done()
+
+    def endings(self) -> str:
+        """The request's finish reasons for its log line ("stop", "length,stop", "abort")."""
+        return ",".join(sorted(set(self.finish_reasons.values()))) or "none"
+
+    def _count_unfinished(self, ending: str) -> None:
+        """Every choice without a finish reason yet ends as ``ending``."""
+        for index in range(len(self.prompts) * self.params.n):
+            if index not in self.finish_reasons:
+                self.finish_reasons[index] = ending
+                tokens = self.token_counts.get(index, 0)
+                self.metrics.on_finished(ending, time.time() - self.arrival, tokens)
 
     async def _merged_events(self) -> AsyncIterator[ChoiceEvent]:
         queue: asyncio.Queue = asyncio.Queue()
@@ -187,6 +209,17 @@ class RequestRun:
         self.finish_reasons[index] = reason
         self.usage.completion_tokens += detok.token_count
         self.metrics.on_finished(reason, time.time() - self.arrival, detok.token_count)
+
+
+def ending_of(error: BaseException) -> str:
+    """How a request that stopped with ``error`` ended, as ``finished_reason`` counts it."""
+    if isinstance(error, StreamBacklogError):
+        return "client_too_slow"
+    if isinstance(error, RequestTimeoutError):
+        return "timeout"
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+        return "abort"
+    return "error"
 
 
 class _TokenClock:

@@ -125,10 +125,12 @@ class _Connection:
         finally:
             usage = prepared.run.usage
             log.info(
-                "ws %s %s status=%d prompt_tokens=%d completion_tokens=%d latency=%.3fs",
+                "ws %s %s status=%d finished_reason=%s prompt_tokens=%d completion_tokens=%d "
+                "latency=%.3fs",
                 request_id,
                 prepared.response_id,
                 status,
+                prepared.run.endings(),
                 usage.prompt_tokens,
                 usage.completion_tokens,
                 time.perf_counter() - start,
