@@ -102,12 +102,20 @@ class DecoderSpec:
     summary: str
     section: type[Strict] | None = None
     trained: bool = False
+    network: str | None = None  # a trained decoder's drafter network, "module:Class"
     check: Callable[[Any], None] | None = None
     bench: dict[str, dict] = field(default_factory=dict)
 
     def builder(self) -> Callable:
-        module, _, function = self.build.partition(":")
-        return getattr(importlib.import_module(module), function)
+        return _imported(self.build)
+
+    def network_class(self) -> type:
+        return _imported(self.network)
+
+
+def _imported(name: str):
+    module, _, attribute = name.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 DECODERS: dict[str, DecoderSpec] = {}
@@ -226,6 +234,7 @@ register(
         "Medusa: trained heads guess the next tokens from the target's hidden state (a tree)",
         section=TrainedDrafterConfig,
         trained=True,
+        network="engine.decoders.medusa:MedusaHeads",
         bench={"medusa": {"method": "medusa"}, **_k("medusa", 1), **_goodput("medusa")},
     )
 )
@@ -236,6 +245,7 @@ register(
         "Hydra: sequentially dependent trained heads (a tree)",
         section=TrainedDrafterConfig,
         trained=True,
+        network="engine.decoders.hydra:HydraHeads",
         bench={"hydra": {"method": "hydra"}, **_k("hydra", 1, 2, 8), **_goodput("hydra")},
     )
 )
@@ -246,6 +256,7 @@ register(
         "EAGLE: a one-layer drafter over the target's features (chains, or EAGLE-2's trees)",
         section=EagleConfig,
         trained=True,
+        network="engine.decoders.eagle:EagleNetwork",
         bench={
             "eagle": {"method": "eagle"},
             **_k("eagle", 1, 2, 3),
@@ -264,6 +275,7 @@ register(
         "Kangaroo: the target's first layers and a trained adapter draft, with an early exit",
         section=KangarooConfig,
         trained=True,
+        network="engine.decoders.kangaroo:KangarooAdapter",
         bench={"kangaroo": {"method": "kangaroo"}, **_k("kangaroo", 1, 2), **_goodput("kangaroo")},
     )
 )

@@ -41,6 +41,8 @@ def _loads_torch(statement: str) -> bool:
 def test_the_api_process_imports_no_torch():
     assert not _loads_torch("import server.app")
     assert not _loads_torch("import server.cli; server.cli.build_parser()")
+    # specserve --help (the tooling's commands included) stays instant.
+    assert not _loads_torch("import tooling.cli; tooling.cli.build_parser()")
 
 
 def test_the_check_itself_sees_torch_where_it_is():

@@ -8,10 +8,11 @@ from collections.abc import Sequence
 
 from server import cli as runtime_cli
 from tooling.cli_bench import add_bench_parser
+from tooling.cli_export import add_export_parser
 from tooling.cli_train import add_train_parser
 from tooling.cli_tune import add_tune_parser
 
-TOOLING_COMMANDS = (add_bench_parser, add_tune_parser, add_train_parser)
+TOOLING_COMMANDS = (add_bench_parser, add_tune_parser, add_train_parser, add_export_parser)
 
 
 def build_parser():

@@ -106,23 +106,6 @@ def find_shipped_drafter(kind: str, model) -> Path | None:
     return None
 
 
-def load_drafter(path: str | None, kind: str, network_class: type, model) -> TrainedDrafter:
-    """The drafter at ``path``, or the one shipped for ``model``; checked against its shape."""
-    found = Path(path) if path else find_shipped_drafter(kind, model)
-    if found is None:
-        raise ValueError(
-            f"no {kind} drafter ships for this model's shape: train one with "
-            f"`specserve train {kind}` and set decoder.{kind}.drafter (or --drafter)"
-        )
-    drafter = TrainedDrafter.load(found, kind, network_class)
-    if drafter.target != target_signature(model):
-        raise ValueError(
-            f"{kind} drafter {found} was trained for {drafter.target}, "
-            f"not this model ({target_signature(model)})"
-        )
-    return drafter
-
-
 def drafter_projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
 ) -> nn.Module:

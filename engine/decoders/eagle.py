@@ -33,7 +33,8 @@ from torch.nn import functional as F
 
 from engine.attention import SequenceSlice, build_attention_metadata
 from engine.decoders.base import Proposal, TargetContext
-from engine.decoders.drafter_files import build_readout, drafter_projection, load_drafter
+from engine.decoders.drafter_files import build_readout, drafter_projection
+from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle_tree import draft_tree
 from engine.decoders.model_draft import ModelDraftDecoder

@@ -20,7 +20,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.decoders.base import Decoder, TargetContext
-from engine.decoders.drafter_files import build_readout, load_drafter
+from engine.decoders.drafter_files import build_readout
+from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.trained_heads import ResidualBlocks, TrainedHeadsDecoder, head_projection
 from engine.models.llama import rms_norm_rows
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from engine.decoders.base import TargetContext
-from engine.decoders.drafter_files import build_readout, drafter_projection, load_drafter
+from engine.decoders.drafter_files import build_readout, drafter_projection
+from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.kv_cache import KVCache

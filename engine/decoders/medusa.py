@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from engine.decoders.base import Decoder, TargetContext
-from engine.decoders.drafter_files import build_readout, load_drafter
+from engine.decoders.drafter_files import build_readout
+from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.trained_heads import ResidualBlocks, TrainedHeadsDecoder
 
 if TYPE_CHECKING:

@@ -1,0 +1,272 @@
+"""Drafters in the layouts users download, one table entry per layout: how to recognise a
+directory in it, how to read it into our ``TrainedDrafter``, and how to write ours out in it.
+
+Medusa heads (FasterDecoding/Medusa and vLLM's layout):
+
+- ``medusa-vllm``: vLLM's ``model.safetensors`` with ``blocks.{i}.layers.{j}.weight/bias``,
+  ``lm_heads.{i}.weight`` and an optional ``token_map`` (the draft vocabulary), and a config
+  with ``num_heads``/``num_hidden_layers`` (or ``medusa_num_*``), ``truncated_vocab_size``,
+  ``medusa_fc_bias``. Ours writes here losslessly: its readout is the target's LM head rows of
+  the draft vocabulary, which is what ``lm_heads`` + ``token_map`` say.
+- ``medusa-v1``: FasterDecoding's ``medusa_lm_head.pt`` (keys ``{i}.{j}.linear.weight/bias``
+  and a per-head ``{i}.{L}.weight`` [V, H]).
+- ``medusa-v2``: FasterDecoding's ``medusa_lm_head.safetensors`` with ``"version": "2"``: no
+  per-head LM head, every head reads out through the target's.
+
+Our heads have one residual block each and read out through the target's LM head, so a
+checkpoint with more blocks per head, or with per-head LM heads that are not the target's own
+rows, is refused with what it has; so is one whose tensors do not fit the target (the message
+names the tensor and both shapes). Public checkpoints carry no held-out accuracies, which our
+tree ranking reads; ``PRIOR_ACCURACIES`` stands in (head h's i-th candidate right
+0.6 * 0.6^h * 0.5^i of the time, Medusa's reported shape), so trees are ranked sensibly from
+the start.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.decoders.drafter_files import CONFIG_FILE, TrainedDrafter, target_signature
+
+TOP_K = 4
+ACCURACIES_KEY = "specserve_accuracies"  # an extra config key: held-out accuracies, if ours
+
+
+def prior_accuracies(num_heads: int) -> list[list[float]]:
+    return [[0.6 * 0.6**h * 0.5**i for i in range(TOP_K)] for h in range(num_heads)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One public layout: ``matches(directory)``, ``load(directory, model, network_class)``
+    -> our drafter (the decoder names its network class), ``save(drafter, model, directory)``."""
+
+    name: str
+    kind: str  # the decoder it drafts for
+    matches: Callable[[Path], bool]
+    load: Callable[[Path, object, type], TrainedDrafter]
+    save: Callable[[TrainedDrafter, object, Path], None] | None
+
+
+def _config(directory: Path) -> dict:
+    path = directory / CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    return {k.removeprefix("medusa_head."): v for k, v in state.items()}
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple, source: Path) -> None:
+    if tuple(tensor.shape) != tuple(shape):
+        raise ValueError(
+            f"{source}: tensor {name} has shape {list(tensor.shape)}, this model needs "
+            f"{list(shape)}"
+        )
+
+
+def _target_rows(model, rows: torch.Tensor) -> torch.Tensor:
+    from engine.models.linear import dense_weight
+
+    return dense_weight(model.lm_head).float()[rows]
+
+
+def _heads_from_blocks(heads_class, weights: list, biases: list, source: Path, model, names):
+    """Our Medusa heads (``heads_class``) from one residual block per head, checked against
+    the target."""
+    d = model.arch.hidden_size
+    heads = heads_class(len(weights), d)
+    for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
+        _expect(names[i][0], w, (d, d), source)
+        _expect(names[i][1], b, (d,), source)
+        heads.weight.data[i] = w.float()
+        heads.bias.data[i] = b.float()
+    return heads
+
+
+def _one_block_per_head(config: dict, keys, pattern: str, source: Path) -> int:
+    """The head count (from the tensors: published configs understate it); refuses more than
+    one residual block per head."""
+    found = [re.fullmatch(pattern, k) for k in keys]
+    heads = {int(m.group(1)) for m in found if m}
+    blocks = {int(m.group(2)) for m in found if m}
+    layers = config.get("medusa_num_layers", config.get("num_hidden_layers", 1))
+    if not heads:
+        raise ValueError(f"{source}: no Medusa head blocks found")
+    if blocks != {0} or layers != 1:
+        raise ValueError(
+            f"{source}: {max(layers, len(blocks))} residual blocks per head; specserve's "
+            "Medusa heads have one"
+        )
+    if heads != set(range(len(heads))):
+        raise ValueError(f"{source}: Medusa heads {sorted(heads)} are not numbered 0..n-1")
+    return len(heads)
+
+
+def _check_readout(lm_heads: dict, vocab: torch.Tensor, model, source: Path) -> None:
+    """Per-head LM heads must be the target's own rows of the vocabulary (ours read out
+    through the target's head)."""
+    d = model.arch.hidden_size
+    target = _target_rows(model, vocab)
+    for name, weight in lm_heads.items():
+        _expect(name, weight, (len(vocab), d), source)
+        if not torch.allclose(weight.float(), target, rtol=1e-2, atol=1e-3):
+            raise ValueError(
+                f"{source}: {name} is a trained LM head of its own; specserve's Medusa heads "
+                "read out through the target's LM head (Medusa-2), so this checkpoint is "
+                "not supported"
+            )
+
+
+def _drafter(heads, vocab, model, layout: str, source: Path) -> TrainedDrafter:
+    # Ours, written out, keeps its held-out accuracies in an extra config key, so a round
+    # trip ranks its tree the same.
+    accuracies = _config(source).get(ACCURACIES_KEY)
+    info = {"loaded_from": str(source), "layout": layout,
+            "accuracies": "held-out, as written" if accuracies else "prior: none in the files"}
+    accuracies = accuracies or prior_accuracies(heads.num_heads)
+    return TrainedDrafter("medusa", heads, vocab.long(), accuracies, target_signature(model),
+                          info)  # fmt: skip
+
+
+# ---- vLLM ------------------------------------------------------------------------------------
+VLLM_FILE = "model.safetensors"
+VLLM_BLOCK = r"blocks\.(\d+)\.layers\.(\d+)\.weight"
+
+
+def _is_vllm_medusa(directory: Path) -> bool:
+    config = _config(directory)
+    return (directory / VLLM_FILE).is_file() and (
+        config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", [])
+    )
+
+
+def _load_vllm_medusa(directory: Path, model, heads_class) -> TrainedDrafter:
+    source = directory / VLLM_FILE
+    config = _config(directory)
+    tensors = {k.removeprefix("medusa_heads."): v for k, v in _tensors(source).items()}
+    count = _one_block_per_head(config, tensors, VLLM_BLOCK, source)
+    names = [(f"blocks.{i}.layers.0.weight", f"blocks.{i}.layers.0.bias") for i in range(count)]
+    if not config.get("medusa_fc_bias", False):  # vLLM's default: blocks without a bias
+        for _, bias in names:
+            tensors.setdefault(bias, torch.zeros(model.arch.hidden_size))
+    missing = [n for pair in names for n in pair if n not in tensors]
+    if missing:
+        raise ValueError(f"{source}: missing tensors {', '.join(missing)}")
+    heads = _heads_from_blocks(heads_class, [tensors[w] for w, _ in names],
+                               [tensors[b] for _, b in names], source, model, names)  # fmt: skip
+    vocab = tensors.get("token_map", torch.arange(model.arch.vocab_size)).long()
+    if len(vocab) and int(vocab.max()) >= model.arch.vocab_size:
+        raise ValueError(f"{source}: token_map names token {int(vocab.max())}, past this "
+                         f"model's vocabulary of {model.arch.vocab_size}")  # fmt: skip
+    if config.get("original_lm_head"):
+        lm_heads = {"lm_head.weight": tensors.get("lm_head.weight", tensors["lm_heads.0.weight"])}
+    else:
+        lm_heads = {f"lm_heads.{i}.weight": tensors[f"lm_heads.{i}.weight"] for i in range(count)}
+    _check_readout(lm_heads, vocab, model, source)
+    return _drafter(heads, vocab, model, "medusa-vllm", directory)
+
+
+def _save_vllm_medusa(drafter: TrainedDrafter, model, directory: Path) -> None:
+    from safetensors.torch import save_file
+
+    heads, vocab = drafter.network, drafter.draft_vocab.long()
+    rows = _target_rows(model, vocab).contiguous()
+    tensors = {"token_map": vocab.contiguous()}
+    for i in range(heads.num_heads):
+        tensors[f"blocks.{i}.layers.0.weight"] = heads.weight[i].detach().float().contiguous()
+        tensors[f"blocks.{i}.layers.0.bias"] = heads.bias[i].detach().float().contiguous()
+        tensors[f"lm_heads.{i}.weight"] = rows.clone()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / VLLM_FILE))
+    config = {
+        "model_type": "medusa", "architectures": ["MedusaModel"],
+        "hidden_size": heads.hidden_size, "vocab_size": model.arch.vocab_size,
+        "num_heads": heads.num_heads, "num_hidden_layers": 1,
+        "truncated_vocab_size": len(vocab), "medusa_fc_bias": True, "original_lm_head": False,
+        ACCURACIES_KEY: drafter.accuracies,
+    }  # fmt: skip
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+# ---- FasterDecoding --------------------------------------------------------------------------
+V1_FILE, V2_FILE = "medusa_lm_head.pt", "medusa_lm_head.safetensors"
+FD_BLOCK = r"(\d+)\.(\d+)\.linear\.weight"
+
+
+def _load_faster_decoding(directory: Path, model, heads_class) -> TrainedDrafter:
+    v2 = (directory / V2_FILE).is_file()
+    source = directory / (V2_FILE if v2 else V1_FILE)
+    config, tensors = _config(directory), _tensors(source)
+    count = _one_block_per_head(config, tensors, FD_BLOCK, source)
+    names = [(f"{i}.0.linear.weight", f"{i}.0.linear.bias") for i in range(count)]
+    heads = _heads_from_blocks(heads_class, [tensors[w] for w, _ in names],
+                               [tensors[b] for _, b in names], source, model, names)  # fmt: skip
+    vocab = torch.arange(model.arch.vocab_size)
+    lm_heads = {f"{i}.1.weight": tensors[f"{i}.1.weight"] for i in range(count)
+                if f"{i}.1.weight" in tensors}  # fmt: skip
+    if lm_heads:
+        _check_readout(lm_heads, vocab, model, source)
+    return _drafter(heads, vocab, model, "medusa-v1" if not v2 else "medusa-v2", directory)
+
+
+def _save_faster_decoding_v2(drafter: TrainedDrafter, model, directory: Path) -> None:
+    """Medusa-2's layout: the blocks only (every head reads out through the target's whole
+    LM head there, so drafts can differ from ours, which read the draft vocabulary's rows)."""
+    from safetensors.torch import save_file
+
+    heads = drafter.network
+    tensors = {}
+    for i in range(heads.num_heads):
+        tensors[f"{i}.0.linear.weight"] = heads.weight[i].detach().float().contiguous()
+        tensors[f"{i}.0.linear.bias"] = heads.bias[i].detach().float().contiguous()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / V2_FILE))
+    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": 1, "version": "2",
+              "base_model_name_or_path": drafter.target.get("model", ""),
+              ACCURACIES_KEY: drafter.accuracies}  # fmt: skip
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
+LAYOUTS = {
+    layout.name: layout
+    for layout in (
+        Layout("medusa-vllm", "medusa", _is_vllm_medusa, _load_vllm_medusa, _save_vllm_medusa),
+        Layout(
+            "medusa-v2", "medusa", lambda d: (d / V2_FILE).is_file(), _load_faster_decoding,
+            _save_faster_decoding_v2,
+        ),
+        Layout("medusa-v1", "medusa", lambda d: (d / V1_FILE).is_file(), _load_faster_decoding,
+               None),
+    )
+}  # fmt: skip
+
+
+def find_layout(directory: Path) -> Layout | None:
+    """The public layout ``directory`` is in (None: ours, or none we know)."""
+    config = _config(directory)
+    if "type" in config and "shape" in config:
+        return None  # a specserve drafter directory
+    return next((layout for layout in LAYOUTS.values() if layout.matches(directory)), None)
+
+
+def export(drafter: TrainedDrafter, model, layout: str, directory: Path) -> None:
+    """Write ``drafter`` (for ``model``) to ``directory`` in the public ``layout``."""
+    found = LAYOUTS.get(layout)
+    writable = [n for n, entry in LAYOUTS.items() if entry.save and entry.kind == drafter.kind]
+    if found is None or found.save is None or found.kind != drafter.kind:
+        raise ValueError(
+            f"a {drafter.kind} drafter can be written as: {', '.join(writable) or 'none'}"
+        )
+    found.save(drafter, model, Path(directory))

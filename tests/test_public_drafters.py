@@ -1,0 +1,136 @@
+"""Medusa heads in the layouts users download (vLLM's, FasterDecoding's): loaded, written from
+ours, round-tripped to identical drafts, and refused with a message that names the problem."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.decoders.drafter_files import TrainedDrafter
+from engine.decoders.drafter_loading import load_drafter
+from engine.decoders.medusa import MedusaHeads
+from engine.decoders.public_drafters import export, find_layout
+from engine.models.linear import dense_weight
+from tests.tiny_models import save_heads_drafter
+
+PROMPTS = [[5, 6, 7, 8, 9] * 4, [11, 12, 13] * 6 + [14]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("medusa") / "ours"
+    return save_heads_drafter(tiny_model_dir, path, "medusa", num_heads=3, scale=0.05, seed=3)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir):
+    return LLM(model=str(tiny_model_dir), decoder={"load_shipped_drafters": False})
+
+
+def _drafts(model_dir, drafter_dir) -> tuple:
+    """The greedy outputs and what the drafts did (per-position acceptance counts): equal
+    only when the drafts were the same."""
+    decoder = {"method": "medusa", "draft_policy": "fixed", "num_speculative_tokens": 4,
+               "medusa": {"drafter": str(drafter_dir), "quantization": "none"}}  # fmt: skip
+    llm = LLM(model=str(model_dir), decoder=decoder)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    stats = llm.engine.speculator.stats_by_decoder["medusa"]
+    return outputs, stats.num_drafts, stats.num_draft_tokens, list(stats.accepted_per_position)
+
+
+def test_ours_round_trips_through_vllms_layout_to_identical_drafts(tiny_model_dir, ours, llm,
+                                                                    tmp_path):  # fmt: skip
+    model = llm.engine.model
+    mine = load_drafter(str(ours), "medusa", MedusaHeads, model)
+    export(mine, model, "medusa-vllm", tmp_path / "vllm")
+    assert find_layout(tmp_path / "vllm").name == "medusa-vllm"
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["num_heads"] == 3 and config["medusa_fc_bias"] is True
+    back = load_drafter(str(tmp_path / "vllm"), "medusa", MedusaHeads, model)
+    assert torch.equal(back.network.weight, mine.network.weight)
+    assert torch.equal(back.draft_vocab, mine.draft_vocab) and back.accuracies == mine.accuracies
+    assert _drafts(tiny_model_dir, tmp_path / "vllm") == _drafts(tiny_model_dir, ours)
+
+
+def test_medusa_2s_layout_keeps_the_heads(ours, llm, tmp_path):
+    model = llm.engine.model
+    mine = load_drafter(str(ours), "medusa", MedusaHeads, model)
+    export(mine, model, "medusa-v2", tmp_path / "v2")
+    assert sorted(p.name for p in (tmp_path / "v2").iterdir()) == [
+        "config.json", "medusa_lm_head.safetensors"]  # fmt: skip
+    back = load_drafter(str(tmp_path / "v2"), "medusa", MedusaHeads, model)
+    assert torch.equal(back.network.bias, mine.network.bias)
+    assert torch.equal(back.draft_vocab, torch.arange(model.arch.vocab_size))
+
+
+def _write_v1(directory, heads: MedusaHeads, lm_head: torch.Tensor, blocks: int = 1):
+    """FasterDecoding's medusa_lm_head.pt: {i}.{j}.linear.* and a per-head {i}.{L}.weight."""
+    directory.mkdir(parents=True)
+    state = {}
+    for i in range(heads.num_heads):
+        for j in range(blocks):
+            state[f"{i}.{j}.linear.weight"] = heads.weight[i].detach().clone()
+            state[f"{i}.{j}.linear.bias"] = heads.bias[i].detach().clone()
+        state[f"{i}.{blocks}.weight"] = lm_head.clone()
+    torch.save(state, directory / "medusa_lm_head.pt")
+    config = {"medusa_num_heads": 2, "medusa_num_layers": blocks, "base_model_name_or_path": "x"}
+    (directory / "config.json").write_text(json.dumps(config))  # 2 heads: understated
+    return directory
+
+
+def test_faster_decodings_first_layout_loads_when_its_heads_read_the_targets_rows(llm, tmp_path):
+    model = llm.engine.model
+    heads = MedusaHeads(3, model.arch.hidden_size)
+    torch.nn.init.normal_(heads.weight, std=0.02)
+    path = _write_v1(tmp_path / "v1", heads, dense_weight(model.lm_head).float())
+    back = load_drafter(str(path), "medusa", MedusaHeads, model)
+    assert back.network.num_heads == 3  # counted from the tensors, not the config
+    assert torch.equal(back.network.weight, heads.weight.detach())
+
+
+def test_refusals_name_what_is_wrong(llm, ours, tmp_path):
+    model = llm.engine.model
+    d, vocab = model.arch.hidden_size, model.arch.vocab_size
+    heads = MedusaHeads(2, d)
+    with pytest.raises(ValueError, match="0.1.weight is a trained LM head of its own"):
+        load_drafter(str(_write_v1(tmp_path / "own", heads, torch.randn(vocab, d))),
+                     "medusa", MedusaHeads, model)  # fmt: skip
+    with pytest.raises(ValueError, match="2 residual blocks per head"):
+        load_drafter(str(_write_v1(tmp_path / "deep", heads, torch.zeros(vocab, d), blocks=2)),
+                     "medusa", MedusaHeads, model)  # fmt: skip
+    wide = MedusaHeads(2, d * 2)
+    with pytest.raises(ValueError, match=rf"tensor 0.0.linear.weight has shape \[{2 * d}, {2 * d}"
+                                         rf"\], this model needs \[{d}, {d}\]"):  # fmt: skip
+        load_drafter(str(_write_v1(tmp_path / "wide", wide, torch.zeros(vocab, 2 * d))),
+                     "medusa", MedusaHeads, model)  # fmt: skip
+    mine = load_drafter(str(ours), "medusa", MedusaHeads, model)
+    export(mine, model, "medusa-vllm", tmp_path / "vllm")
+    with pytest.raises(ValueError, match="holds a medusa drafter \\(medusa-vllm\\), not hydra"):
+        load_drafter(str(tmp_path / "vllm"), "hydra", MedusaHeads, model)
+    with pytest.raises(ValueError, match="a medusa drafter can be written as: medusa-vllm, "):
+        export(mine, model, "eagle3", tmp_path / "nope")
+
+
+def test_a_drafter_trained_for_another_model_is_refused(llm, tmp_path):
+    model = llm.engine.model
+    heads = MedusaHeads(2, model.arch.hidden_size)
+    other = {"hidden_size": model.arch.hidden_size, "vocab_size": 7, "num_layers": 1}
+    TrainedDrafter("medusa", heads, torch.arange(5), [[0.5]] * 2, other, {}).save(tmp_path / "x")
+    with pytest.raises(ValueError, match="was trained for .*'vocab_size': 7.*not this model"):
+        load_drafter(str(tmp_path / "x"), "medusa", MedusaHeads, model)
+
+
+def test_the_export_command_writes_a_layout_that_loads(tiny_model_dir, ours, llm, tmp_path):
+    from tooling.cli import main
+
+    out = tmp_path / "exported"
+    args = ["export", "medusa", "--model", str(tiny_model_dir), "--drafter", str(ours),
+            "--layout", "medusa-vllm", "--output", str(out)]  # fmt: skip
+    assert main(args) == 0
+    back = load_drafter(str(out), "medusa", MedusaHeads, llm.engine.model)
+    assert back.network.num_heads == 3
+    assert main([*args[:-4], "--layout", "eagle3", "--output", str(out)]) == 2  # a clear error
