@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.attention import SequenceSlice, build_attention_metadata
 from engine.decoders.base import Proposal, TargetContext
@@ -41,8 +40,7 @@ from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
 from engine.models.decoder_stack import DecoderStack
-from engine.models.llama import DecoderLayer, rms_norm, rms_norm_rows
-from engine.models.rope import rotate
+from engine.models.llama import DecoderLayer, ModelArchitecture, rms_norm_rows
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
@@ -50,9 +48,11 @@ if TYPE_CHECKING:
 
 
 class EagleNetwork(nn.Module):
-    """The drafter's weights, and its training-time forward (padded batches of whole
-    sequences; the engine runs the same layer through ``DecoderLayer`` on the paged cache).
-    Attention heads and head size are the target's: the layer uses the target's rope."""
+    """The drafter's weights: ``fc`` over [token embedding; feature], then one decoder layer
+    (``DecoderLayer``: the engine drafts with it on the paged cache, training runs its
+    ``attention_inputs`` and ``finish`` with autograd). Attention heads and head size are the
+    target's: the layer uses the target's rope. ``input_norm=False``: no norm before the
+    layer's attention (EAGLE-1's layout, whose first layer has none)."""
 
     def __init__(
         self,
@@ -62,6 +62,7 @@ class EagleNetwork(nn.Module):
         head_dim: int,
         intermediate_size: int,
         rms_norm_eps: float,
+        input_norm: bool = True,
     ):
         super().__init__()
         d = hidden_size
@@ -73,13 +74,25 @@ class EagleNetwork(nn.Module):
             "intermediate_size": intermediate_size,
             "rms_norm_eps": rms_norm_eps,
         }
+        if not input_norm:  # (kept out of the shape otherwise: older drafters' files lack it)
+            self.shape["input_norm"] = False
         self.fc = nn.Linear(2 * d, d)
-        self.input_norm = nn.Parameter(torch.ones(d))
+        self.input_norm = nn.Parameter(torch.ones(d)) if input_norm else None
         self.qkv = nn.Linear(d, (num_heads + 2 * num_kv_heads) * head_dim, bias=False)
         self.o = nn.Linear(num_heads * head_dim, d, bias=False)
         self.post_attention_norm = nn.Parameter(torch.ones(d))
         self.gate_up = nn.Linear(d, 2 * intermediate_size, bias=False)
         self.down = nn.Linear(intermediate_size, d, bias=False)
+
+    def layer(self) -> DecoderLayer:
+        """The layer over this network's own parameters (PyTorch ops: autograd flows)."""
+        s = self.shape
+        arch = ModelArchitecture.of_layer(
+            s["hidden_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
+            s["intermediate_size"], s["rms_norm_eps"],
+        )  # fmt: skip
+        return DecoderLayer(arch, self.input_norm, self.qkv, self.o, self.post_attention_norm,
+                            self.gate_up, self.down, fused=False)  # fmt: skip
 
     def inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """x = fc([embedding of the token; feature of the position before])."""
@@ -87,20 +100,11 @@ class EagleNetwork(nn.Module):
 
     def attention_inputs(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> rotated q [N, H, D], rotated k and v [N, KV, D]."""
-        s = self.shape
-        qkv = self.qkv(rms_norm(x, self.input_norm, s["rms_norm_eps"]))
-        q_size, kv_size = s["num_heads"] * s["head_dim"], s["num_kv_heads"] * s["head_dim"]
-        q = rotate(qkv[:, :q_size].unflatten(1, (-1, s["head_dim"])), rope)
-        k = rotate(qkv[:, q_size : q_size + kv_size].unflatten(1, (-1, s["head_dim"])), rope)
-        v = qkv[:, q_size + kv_size :].unflatten(1, (-1, s["head_dim"]))
-        return q, k, v
+        return self.layer().attention_inputs(x, rope)
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The layer's rest: output projection and residual, then the SwiGLU MLP."""
-        x = x + self.o(attended.flatten(-2))
-        normed = rms_norm(x, self.post_attention_norm, self.shape["rms_norm_eps"])
-        gate, up = self.gate_up(normed).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return self.layer().finish(x, attended)
 
 
 class _FeatureLog:
@@ -189,7 +193,7 @@ class EagleDrafter(ModelDrafter):
         self.fc = projection(network.fc)
         self.layer = DecoderLayer(
             arch,
-            norm(network.input_norm),
+            None if network.input_norm is None else norm(network.input_norm),
             projection(network.qkv),
             projection(network.o),
             norm(network.post_attention_norm),

@@ -35,8 +35,6 @@ import torch.nn.functional as F
 
 from engine.attention import slots_for_positions
 from engine.decoders.base import Proposal
-from engine.models.llama import rms_norm
-from engine.models.rope import rotate
 from engine.rejection_sampler import position_row
 from engine.sampling import probabilities, process_logits
 
@@ -185,7 +183,7 @@ def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]
     ``EagleDrafter.forward``, with the tree's attention); returns their logits, a row per node,
     round after round, and keeps their guesses and K/V."""
     entries = [(r, i) for r, ps in zip(rounds, parents, strict=True) for i in ps]
-    model, layer, arch = drafter.model, drafter.layer, drafter.model.arch
+    model, layer = drafter.model, drafter.layer
     device = drafter.device
     tokens = torch.tensor([r.nodes[i].token for r, i in entries], device=device)
     features = torch.stack([r.feature_before(i) for r, i in entries]).to(device)
@@ -193,11 +191,7 @@ def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]
         [r.decode_position + r.nodes[i].depth for r, i in entries], device=device
     )
     x = drafter.fc(torch.cat([model.embed(tokens), features], dim=-1))
-    qkv = layer.qkv(rms_norm(x, layer.input_norm, arch.rms_norm_eps))
-    qk_size = layer.q_size + layer.kv_size
-    qk = rotate(qkv[:, :qk_size].unflatten(1, (-1, arch.head_dim)), model.rope.lookup(positions))
-    q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
-    v = qkv[:, qk_size:].unflatten(1, (arch.num_kv_heads, arch.head_dim))
+    q, k, v = layer.attention_inputs(x, model.rope.lookup(positions))
     attended, row = [], 0
     for r, ps in zip(rounds, parents, strict=True):
         if not ps:
@@ -209,10 +203,7 @@ def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]
             r.tree_owner.append(i)
         attended.append(_attend(q[rows], r, ps))
         row += len(ps)
-    hidden = x + layer.o(torch.cat(attended).flatten(-2))
-    normed = rms_norm(hidden, layer.post_attention_norm, arch.rms_norm_eps)
-    gate, up = layer.gate_up(normed).chunk(2, dim=-1)
-    hidden = hidden + layer.down(F.silu(gate) * up)
+    hidden = layer.finish(x, torch.cat(attended))
     for (r, i), guess in zip(entries, hidden, strict=True):
         r.nodes[i].guess = guess
     return drafter.read_out(hidden)

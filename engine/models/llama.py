@@ -79,6 +79,18 @@ class ModelArchitecture:
         )
 
 
+    @classmethod
+    def of_layer(cls, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate_size: int, rms_norm_eps: float) -> ModelArchitecture:  # fmt: skip
+        """The shape of one layer alone (a drafter's), for ``DecoderLayer``."""
+        return cls(
+            vocab_size=0, hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            rms_norm_eps=rms_norm_eps, qkv_bias=False, o_bias=False, mlp_bias=False,
+            tie_word_embeddings=False, max_position_embeddings=0, sliding_window=None,
+        )  # fmt: skip
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
@@ -98,17 +110,24 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 class DecoderLayer(nn.Module):
-    """Attention and SwiGLU MLP with fused q/k/v and gate/up projections."""
+    """Attention and SwiGLU MLP with fused q/k/v and gate/up projections.
+
+    The one definition of the layer in Python: the target's layers, and the drafters' (EAGLE's
+    layer, which drafts on the paged cache, through its tree drafter with its own attention in
+    ``attention_inputs`` / ``finish``, and trains through the same two with autograd). The C++
+    ops (``_forward_fused``) and the C++ stack are the fast paths of the same arithmetic, tested
+    equal to it. ``input_norm`` None: no norm before attention (EAGLE-1's first layer)."""
 
     def __init__(
         self,
         arch: ModelArchitecture,
-        input_norm: torch.Tensor,
+        input_norm: torch.Tensor | None,
         qkv: Linear,
         o: Linear,
         post_attention_norm: torch.Tensor,
         gate_up: Linear,
         down: Linear,
+        fused: bool = True,
     ):
         super().__init__()
         self.arch = arch
@@ -121,9 +140,15 @@ class DecoderLayer(nn.Module):
         self.gate_up = gate_up  # gate and up fused
         self.down = down
         # The fused C++ layer ops (engine/kernels/layer_ops.cpp) serve float32 on the CPU;
-        # the PyTorch ops below are the reference and serve everything else.
+        # the PyTorch ops below are the reference and serve everything else (autograd too:
+        # ``fused=False``).
+        norm = input_norm if input_norm is not None else post_attention_norm
         self.fused_ops = (
-            input_norm.device.type == "cpu" and input_norm.dtype == torch.float32 and load_kernels()
+            fused
+            and input_norm is not None
+            and norm.device.type == "cpu"
+            and norm.dtype == torch.float32
+            and load_kernels()
         )
 
     def forward(
@@ -140,24 +165,34 @@ class DecoderLayer(nn.Module):
         if self.fused_ops:
             return self._forward_fused(hidden, rope, kv_cache, attn, attention, mlp)
         if attention:
-            hidden = self._attention(hidden, rope, kv_cache, attn)
-        if mlp:
-            x = rms_norm(hidden, self.post_attention_norm, self.arch.rms_norm_eps)
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + self.down(F.silu(gate) * up)
-        return hidden
+            q, k, v = self.attention_inputs(hidden, rope)
+            hidden = self.finish(hidden, paged_attention(q, k, v, kv_cache, attn), mlp=False)
+        return self.mlp(hidden) if mlp else hidden
 
-    def _attention(self, hidden, rope, kv_cache, attn) -> torch.Tensor:
+    def attention_inputs(self, hidden: torch.Tensor, rope: RopeFactors):
+        """[N, d] -> rotated q [N, H, D], rotated k and v [N, KV, D]."""
         arch = self.arch
-        x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
+        x = hidden
+        if self.input_norm is not None:
+            x = rms_norm(hidden, self.input_norm, arch.rms_norm_eps)
         qkv = self.qkv(x)
         # q and k sit side by side in the fused output: rotate both with one set of ops.
         qk_size = self.q_size + self.kv_size
         qk = rotate(qkv[:, :qk_size].unflatten(1, (-1, arch.head_dim)), rope)
         q, k = qk.split([arch.num_heads, arch.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].unflatten(1, (arch.num_kv_heads, arch.head_dim))
-        out = paged_attention(q, k, v, kv_cache, attn)
-        return hidden + self.o(out.reshape(-1, self.q_size))
+        return q, k, v
+
+    def finish(self, hidden: torch.Tensor, attended: torch.Tensor, mlp: bool = True):
+        """The rest of the layer after attention: output projection and residual (attended
+        [N, H, D]), then the MLP."""
+        hidden = hidden + self.o(attended.reshape(-1, self.q_size))
+        return self.mlp(hidden) if mlp else hidden
+
+    def mlp(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = rms_norm(hidden, self.post_attention_norm, self.arch.rms_norm_eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
     def _forward_fused(self, hidden, rope, kv_cache, attn, attention, mlp) -> torch.Tensor:
         """The same layer in a handful of fused ops; ``hidden`` is updated in place."""
