@@ -134,3 +134,95 @@ def test_the_export_command_writes_a_layout_that_loads(tiny_model_dir, ours, llm
     back = load_drafter(str(out), "medusa", MedusaHeads, llm.engine.model)
     assert back.network.num_heads == 3
     assert main([*args[:-4], "--layout", "eagle3", "--output", str(out)]) == 2  # a clear error
+
+
+# ---- EAGLE-1 / EAGLE-2 ------------------------------------------------------------------------
+def _eagle(model_dir, path, input_norm: bool, vocab=None):
+    """A random EAGLE drafter for the tiny model (scaled so its drafts vary)."""
+    from engine.decoders.eagle import EagleNetwork
+
+    config = json.loads((model_dir / "config.json").read_text())
+    d, heads = config["hidden_size"], config["num_attention_heads"]
+    torch.manual_seed(5)
+    network = EagleNetwork(d, heads, config["num_key_value_heads"], d // heads,
+                           config["intermediate_size"], config["rms_norm_eps"],
+                           input_norm=input_norm)  # fmt: skip
+    target = {"hidden_size": d, "vocab_size": config["vocab_size"],
+              "num_layers": config["num_hidden_layers"]}  # fmt: skip
+    vocab = torch.arange(config["vocab_size"]) if vocab is None else vocab
+    TrainedDrafter("eagle", network, vocab, [[0.5, 0.2]] * 3, target, {}).save(path)
+    return path
+
+
+def _eagle_drafts(model_dir, drafter_dir) -> tuple:
+    decoder = {"method": "eagle", "draft_policy": "fixed", "num_speculative_tokens": 3,
+               "eagle": {"drafter": str(drafter_dir), "quantization": "none"}}  # fmt: skip
+    llm = LLM(model=str(model_dir), decoder=decoder)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    stats = llm.engine.speculator.stats_by_decoder["eagle"]
+    return outputs, stats.num_draft_tokens, list(stats.accepted_per_position)
+
+
+def test_an_eagle1_drafter_round_trips_to_identical_drafts(tiny_model_dir, llm, tmp_path):
+    from engine.decoders.eagle import EagleNetwork
+
+    model = llm.engine.model
+    vocab = torch.arange(0, model.arch.vocab_size, 2)  # a draft vocabulary: every other token
+    ours = _eagle(tiny_model_dir, tmp_path / "ours", input_norm=False, vocab=vocab)
+    mine = load_drafter(str(ours), "eagle", EagleNetwork, model)
+    export(mine, model, "eagle1", tmp_path / "eagle1")
+    assert find_layout(tmp_path / "eagle1").name == "eagle1"
+    back = load_drafter(str(tmp_path / "eagle1"), "eagle", EagleNetwork, model)
+    assert back.network.input_norm is None and torch.equal(back.draft_vocab, vocab)
+    for name, value in mine.network.state_dict().items():
+        assert torch.equal(back.network.state_dict()[name], value), name
+    assert _eagle_drafts(tiny_model_dir, tmp_path / "eagle1") == _eagle_drafts(tiny_model_dir, ours)
+
+
+def test_a_safeailab_checkpoint_loads(tiny_model_dir, llm, tmp_path):
+    """As SafeAILab saves one: pytorch_model.bin with the frozen embedding, no fc bias
+    ("bias": false), separate q/k/v and gate/up, the whole vocabulary."""
+    from engine.decoders.eagle import EagleNetwork
+
+    model = llm.engine.model
+    ours = _eagle(tiny_model_dir, tmp_path / "ours", input_norm=False)
+    mine = load_drafter(str(ours), "eagle", EagleNetwork, model)
+    export(mine, model, "eagle1", tmp_path / "x")
+    from safetensors.torch import load_file
+
+    state = load_file(str(tmp_path / "x" / "model.safetensors"))
+    del state["fc.bias"]
+    state["embed_tokens.weight"] = torch.zeros(model.arch.vocab_size, model.arch.hidden_size)
+    (tmp_path / "bin").mkdir()
+    torch.save(state, tmp_path / "bin" / "pytorch_model.bin")
+    config = json.loads((tmp_path / "x" / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("specserve")} | {"bias": False}
+    (tmp_path / "bin" / "config.json").write_text(json.dumps(config))
+    back = load_drafter(str(tmp_path / "bin"), "eagle", EagleNetwork, model)
+    assert torch.equal(back.network.fc.bias, torch.zeros(model.arch.hidden_size))
+    assert len(back.draft_vocab) == model.arch.vocab_size
+    outputs, drafted, _ = _eagle_drafts(tiny_model_dir, tmp_path / "bin")
+    assert drafted > 0
+    assert outputs == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def test_eagle1_refusals(tiny_model_dir, llm, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.decoders.eagle import EagleNetwork
+
+    model = llm.engine.model
+    normed = load_drafter(str(_eagle(tiny_model_dir, tmp_path / "n", input_norm=True)), "eagle",
+                          EagleNetwork, model)  # fmt: skip
+    with pytest.raises(ValueError, match="no place for; train it with .*--no-input-norm"):
+        export(normed, model, "eagle1", tmp_path / "out")
+    plain = load_drafter(str(_eagle(tiny_model_dir, tmp_path / "p", input_norm=False)), "eagle",
+                         EagleNetwork, model)  # fmt: skip
+    export(plain, model, "eagle1", tmp_path / "bad")
+    state = load_file(str(tmp_path / "bad" / "model.safetensors"))
+    d = model.arch.hidden_size
+    state["fc.weight"] = torch.zeros(d, 3 * d)
+    save_file(state, str(tmp_path / "bad" / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensor fc.weight has shape \[{d}, {3 * d}\], this "
+                                         rf"model needs \[{d}, {2 * d}\]"):  # fmt: skip
+        load_drafter(str(tmp_path / "bad"), "eagle", EagleNetwork, model)

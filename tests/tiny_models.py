@@ -89,7 +89,8 @@ def save_heads_drafter(model_dir: Path, path: Path, kind: str = "medusa", num_he
 
 
 def save_eagle_drafter(
-    model_dir: Path, path: Path, seed: int = 0, scale: float = 1.0, draft_vocab=None
+    model_dir: Path, path: Path, seed: int = 0, scale: float = 1.0, draft_vocab=None,
+    input_norm: bool = True,
 ) -> Path:
     """An EAGLE drafter for the tiny model: a randomly initialised layer (PyTorch's default
     initialisation, scaled), the whole vocabulary as draft vocabulary unless given."""
@@ -104,7 +105,7 @@ def save_eagle_drafter(
     torch.manual_seed(seed)
     network = EagleNetwork(
         hidden, heads, kv_heads, hidden // heads, config["intermediate_size"],
-        config["rms_norm_eps"],
+        config["rms_norm_eps"], input_norm=input_norm,
     )  # fmt: skip
     with torch.no_grad():
         for parameter in network.parameters():

@@ -55,7 +55,8 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     common = _common_options(args)
     if args.depth < 1:
         raise ValueError("--depth must be >= 1")
-    run_train_eagle(_training_llm(args), EagleTrainOptions(depth=args.depth, **common))
+    options = EagleTrainOptions(depth=args.depth, input_norm=not args.no_input_norm, **common)
+    run_train_eagle(_training_llm(args), options)
     return 0
 
 
@@ -220,6 +221,12 @@ def _add_eagle_parser(which) -> None:
     )
     _add_common_arguments(p)
     p.add_argument("--depth", type=int, default=3, help="draft steps it is trained to unroll")
+    p.add_argument(
+        "--no-input-norm",
+        action="store_true",
+        help="no norm before the layer's attention: EAGLE-1's layout, which `specserve "
+        "export eagle --layout eagle1` writes for vLLM, SGLang and SafeAILab's EAGLE",
+    )
     p.add_argument("--epochs", type=int, default=3)
     p.set_defaults(func=_cmd_train_eagle)
 

@@ -1,6 +1,13 @@
 """Drafters in the layouts users download, one table entry per layout: how to recognise a
 directory in it, how to read it into our ``TrainedDrafter``, and how to write ours out in it.
 
+EAGLE-1/2 (``eagle1``, SafeAILab's layout, which vLLM and SGLang load): ``fc`` [H, 2H] over
+[token embedding; the target's final-normed feature] and one Llama layer ``layers.0.*`` whose
+attention has no input norm; the target's embedding and whole LM head read in and out. Ours
+is the same network (``EagleNetwork(input_norm=False)``; by default ours has an input norm,
+which this layout has no place for) read out through the draft vocabulary's rows, which rides
+along in an extra config key so a round trip drafts identically.
+
 Medusa heads (FasterDecoding/Medusa and vLLM's layout):
 
 - ``medusa-vllm``: vLLM's ``model.safetensors`` with ``blocks.{i}.layers.{j}.weight/bias``,
@@ -239,6 +246,125 @@ def _save_faster_decoding_v2(drafter: TrainedDrafter, model, directory: Path) ->
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
+# ---- EAGLE-1 / EAGLE-2 (SafeAILab's layout; vLLM and SGLang load it too) ---------------------
+EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+EAGLE_VOCAB_KEY = "specserve_draft_vocab"  # an extra config key: ours' draft vocabulary
+EAGLE_PROJECTIONS = {
+    "q": "layers.0.self_attn.q_proj.weight", "k": "layers.0.self_attn.k_proj.weight",
+    "v": "layers.0.self_attn.v_proj.weight", "o": "layers.0.self_attn.o_proj.weight",
+    "gate": "layers.0.mlp.gate_proj.weight", "up": "layers.0.mlp.up_proj.weight",
+    "down": "layers.0.mlp.down_proj.weight",
+}  # fmt: skip
+
+
+def _eagle_file(directory: Path) -> Path | None:
+    return next((directory / f for f in EAGLE_FILES if (directory / f).is_file()), None)
+
+
+def _is_eagle1(directory: Path) -> bool:
+    config = _config(directory)
+    path = _eagle_file(directory)
+    if path is None or config.get("num_hidden_layers") != 1 or "draft_vocab_size" in config:
+        return False
+    return "fc.weight" in _tensors(path) if path.suffix == ".bin" else _has_key(path, "fc.weight")
+
+
+def _has_key(path: Path, key: str) -> bool:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return key in f.keys()
+
+
+def _load_eagle1(directory: Path, model, network_class) -> TrainedDrafter:
+    source = _eagle_file(directory)
+    config, tensors = _config(directory), _tensors(source)
+    arch = model.arch
+    d = arch.hidden_size
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = config.get("intermediate_size", arch.intermediate_size)
+    if config.get("num_attention_heads", arch.num_heads) != arch.num_heads or config.get(
+        "num_key_value_heads", config.get("num_attention_heads", arch.num_heads)
+    ) != arch.num_kv_heads:
+        raise ValueError(
+            f"{source}: {config.get('num_attention_heads')} heads / "
+            f"{config.get('num_key_value_heads')} KV heads; the drafter shares the target's "
+            f"rope and cache, which has {arch.num_heads} / {arch.num_kv_heads}"
+        )
+    wanted = {"fc.weight": (d, 2 * d), EAGLE_PROJECTIONS["q"]: (q_rows, d),
+              EAGLE_PROJECTIONS["k"]: (kv_rows, d), EAGLE_PROJECTIONS["v"]: (kv_rows, d),
+              EAGLE_PROJECTIONS["o"]: (d, q_rows), EAGLE_PROJECTIONS["gate"]: (inter, d),
+              EAGLE_PROJECTIONS["up"]: (inter, d), EAGLE_PROJECTIONS["down"]: (d, inter),
+              "layers.0.post_attention_layernorm.weight": (d,)}  # fmt: skip
+    for name, shape in wanted.items():
+        if name not in tensors:
+            raise ValueError(f"{source}: missing tensor {name}")
+        _expect(name, tensors[name], shape, source)
+    has_norm = "layers.0.input_layernorm.weight" in tensors
+    network = network_class(d, arch.num_heads, arch.num_kv_heads, arch.head_dim, inter,
+                            arch.rms_norm_eps, input_norm=has_norm)  # fmt: skip
+    with torch.no_grad():
+        network.fc.weight.copy_(tensors["fc.weight"].float())
+        bias = tensors.get("fc.bias")
+        network.fc.bias.copy_(torch.zeros(d) if bias is None else bias.float())
+        network.qkv.weight.copy_(torch.cat([tensors[EAGLE_PROJECTIONS[x]] for x in "qkv"]).float())
+        network.o.weight.copy_(tensors[EAGLE_PROJECTIONS["o"]].float())
+        gate_up = [tensors[EAGLE_PROJECTIONS[x]] for x in ("gate", "up")]
+        network.gate_up.weight.copy_(torch.cat(gate_up).float())
+        network.down.weight.copy_(tensors[EAGLE_PROJECTIONS["down"]].float())
+        network.post_attention_norm.copy_(tensors["layers.0.post_attention_layernorm.weight"])
+        if has_norm:
+            _expect("layers.0.input_layernorm.weight", tensors["layers.0.input_layernorm.weight"],
+                    (d,), source)  # fmt: skip
+            network.input_norm.copy_(tensors["layers.0.input_layernorm.weight"])
+    vocab = torch.tensor(config.get(EAGLE_VOCAB_KEY) or range(arch.vocab_size))
+    accuracies = config.get(ACCURACIES_KEY) or [[0.6 * 0.8**s] for s in range(4)]
+    info = {"loaded_from": str(directory), "layout": "eagle1"}
+    return TrainedDrafter("eagle", network.eval(), vocab.long(), accuracies,
+                          target_signature(model), info)  # fmt: skip
+
+
+def _save_eagle1(drafter: TrainedDrafter, model, directory: Path) -> None:
+    """SafeAILab's EAGLE-1 layout (one layer, ``fc`` over [embedding; feature], the target's
+    embedding and LM head shared); the draft vocabulary and accuracies ride in extra config
+    keys. A layer with an input norm is written with ``layers.0.input_layernorm.weight``, which
+    SafeAILab's own first layer and vLLM's have no place for: they would drop it and draft
+    differently, so this refuses such a drafter (train with --no-input-norm to export)."""
+    from safetensors.torch import save_file
+
+    network, arch = drafter.network, model.arch
+    if network.input_norm is not None:
+        raise ValueError(
+            "this EAGLE drafter has a norm before its attention, which EAGLE-1's first layer "
+            "has no place for; train it with `specserve train eagle --no-input-norm` to export"
+        )
+    q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    q, k, v = network.qkv.weight.detach().float().split([q_rows, kv_rows, kv_rows])
+    gate, up = network.gate_up.weight.detach().float().chunk(2)
+    tensors = {
+        "fc.weight": network.fc.weight.detach().float(),
+        "fc.bias": network.fc.bias.detach().float(),
+        EAGLE_PROJECTIONS["q"]: q, EAGLE_PROJECTIONS["k"]: k, EAGLE_PROJECTIONS["v"]: v,
+        EAGLE_PROJECTIONS["o"]: network.o.weight.detach().float(),
+        EAGLE_PROJECTIONS["gate"]: gate, EAGLE_PROJECTIONS["up"]: up,
+        EAGLE_PROJECTIONS["down"]: network.down.weight.detach().float(),
+        "layers.0.post_attention_layernorm.weight": network.post_attention_norm.detach().float(),
+    }  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / EAGLE_FILES[0]))
+    s = network.shape
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": s["hidden_size"], "intermediate_size": s["intermediate_size"],
+        "num_attention_heads": s["num_heads"], "num_key_value_heads": s["num_kv_heads"],
+        "head_dim": s["head_dim"], "rms_norm_eps": s["rms_norm_eps"],
+        "vocab_size": arch.vocab_size, "bias": True, "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        EAGLE_VOCAB_KEY: drafter.draft_vocab.tolist(), ACCURACIES_KEY: drafter.accuracies,
+    }  # fmt: skip
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+
 LAYOUTS = {
     layout.name: layout
     for layout in (
@@ -249,6 +375,7 @@ LAYOUTS = {
         ),
         Layout("medusa-v1", "medusa", lambda d: (d / V1_FILE).is_file(), _load_faster_decoding,
                None),
+        Layout("eagle1", "eagle", _is_eagle1, _load_eagle1, _save_eagle1),
     )
 }  # fmt: skip
 

@@ -53,6 +53,7 @@ class EagleTrainOptions:
     batch_size: int = 8  # sequences per step
     learning_rate: float = 1e-3
     feature_noise: float = 0.05  # std of the Gaussian added to input features, per their std
+    input_norm: bool = True  # False: EAGLE-1's layout (no norm before attention), exportable
     generation_batch: int = 32
     seed: int = 0
     resume: bool = False
@@ -202,7 +203,7 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
 
     network = EagleNetwork(
         arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-        arch.intermediate_size, arch.rms_norm_eps,
+        arch.intermediate_size, arch.rms_norm_eps, input_norm=options.input_norm,
     )  # fmt: skip
     optimizer = torch.optim.AdamW(network.parameters(), lr=options.learning_rate)
 
