@@ -153,3 +153,16 @@ def test_another_recipe_in_the_same_directory_is_refused(chat_llm, tmp_path):
     build(chat_llm, tmp_path, _recipe(), budget=1)
     with pytest.raises(ValueError, match="another recipe .*max_tokens"):
         build(chat_llm, tmp_path, _recipe(max_tokens=13), budget=1)
+
+
+def test_a_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tiny_chat_model_dir,
+                                                           tmp_path):  # fmt: skip
+    from tests.tiny_models import save_eagle_drafter
+    from tooling.training.train_eagle import evaluate_eagle
+
+    build(chat_llm, tmp_path / "data", _recipe(), budget=1)
+    drafter = save_eagle_drafter(tiny_chat_model_dir, tmp_path / "eagle")
+    accuracies = evaluate_eagle(chat_llm, str(drafter), tmp_path / "data", depth=2, top_k=3)
+    assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
+    assert all(0 <= a <= 1 for row in accuracies for a in row)
+    assert sum(accuracies[0]) <= 1  # the top-3 candidates are distinct tokens

@@ -161,10 +161,39 @@ def _add_data_parser(which) -> None:
     p.set_defaults(func=_cmd_train_data)
 
 
+def _cmd_train_evaluate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from tooling.training.train_eagle import evaluate_eagle
+
+    model = {"model": args.model} if args.model else {}
+    llm = LLM(**model, decoder={"load_shipped_drafters": False})
+    accuracies = evaluate_eagle(llm, args.drafter, Path(args.data), args.depth)
+    chain, expected = 1.0, 0.0
+    for s, row in enumerate(accuracies, start=1):
+        chain *= row[0]
+        expected += chain
+        print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
+              + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
+    return 0
+
+
+def _add_evaluate_parser(which) -> None:
+    p = which.add_parser(
+        "evaluate",
+        help="held-out accuracy of an EAGLE drafter on a data set's held-out conversations",
+    )
+    p.add_argument("--data", required=True, help="a `specserve train data` directory")
+    p.add_argument("--drafter", help="drafter directory (default: the one shipped)")
+    p.add_argument("--model", help="the target (default: the embedded model)")
+    p.add_argument("--depth", type=int, default=3)
+    p.set_defaults(func=_cmd_train_evaluate)
+
+
 def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a drafter for the model (self-distillation)")
     which = p.add_subparsers(dest="train", metavar="DRAFTER", required=True)
     _add_data_parser(which)
+    _add_evaluate_parser(which)
     descriptions = {
         "medusa": "K Medusa heads learn the tokens 2..K+1 places ahead from the hidden state",
         "hydra": "K Hydra heads learn the tokens 2..K+1 places ahead from the hidden state and "

@@ -249,3 +249,27 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
               + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
     return write_drafter("eagle", network, vocab, accuracies, model, options, int(len(labels)), run)
+
+
+def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top_k: int = 4):
+    """Held-out top-i accuracy per depth of an EAGLE drafter (a directory, or the one shipped
+    for the model) on the held-out split of a ``specserve train data`` set: drafters trained
+    on different data compared on the same unseen conversations."""
+    from engine.decoders.drafter_loading import load_drafter
+    from engine.models.linear import dense_weight
+    from tooling.training.shards import load_split
+
+    model = llm.engine.model
+    drafter = load_drafter(drafter_dir, "eagle", EagleNetwork, model)
+    vocab = drafter.draft_vocab
+    readout = dense_weight(model.lm_head)[vocab].float()
+
+    def rope_of(shape) -> torch.Tensor:
+        batch, width = shape
+        return model.rope.lookup(torch.arange(width).repeat(batch))
+
+    split = load_split(Path(data) / "held_out")
+    return held_out_accuracies(
+        drafter.network.float(), rope_of, split, model.embed, readout, vocab,
+        model.arch.vocab_size, depth, top_k,
+    )  # fmt: skip
