@@ -35,6 +35,7 @@ from server.responses import (
 )
 from server.state import ServerState
 from server.structured_output import check_usable, requested_constraint
+from server.valid_text import check_valid_text
 
 
 @dataclass
@@ -78,6 +79,7 @@ async def _constraint_of(state: ServerState, body) -> ConstraintSpec | None:
 async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepared:
     state.check_model(body.model)
     check_extra_fields(body.model_extra)
+    check_valid_text(body.model_dump(exclude_none=True))
     check_chat_limits(body, state.settings.limits)
     state.check_ready()
     try:
@@ -106,6 +108,7 @@ async def prepare_chat(state: ServerState, body: ChatCompletionRequest) -> Prepa
 async def prepare_completion(state: ServerState, body: CompletionRequest) -> Prepared:
     state.check_model(body.model)
     check_extra_fields(body.model_extra)
+    check_valid_text(body.model_dump(exclude_none=True))
     check_completion_limits(body, state.settings.limits)
     state.check_ready()
     vocab = state.client.info.vocab_size
@@ -351,16 +354,19 @@ async def full_response(p: Prepared) -> dict:
         "choices": choices,
         "usage": p.run.usage.as_dict(),
     }
-    if p.show_prompt_logprobs:
-        tokenizer = p.run.tokenizer
-        if p.chat:  # one prompt: on the response, as vLLM puts it
-            response["prompt_logprobs"] = prompt_logprobs_json(
-                tokenizer, p.run.prompt_logprobs.get(0)
+    # vLLM always sends the field (null when not asked for): clients written for it read it.
+    tokenizer = p.run.tokenizer
+    if p.chat:  # one prompt: on the response, as vLLM puts it
+        response["prompt_logprobs"] = (
+            prompt_logprobs_json(tokenizer, p.run.prompt_logprobs.get(0))
+            if p.show_prompt_logprobs else None
+        )  # fmt: skip
+    else:  # on each choice, for that choice's prompt
+        for choice in choices:
+            entries = p.run.prompt_logprobs.get(choice["index"] // p.run.params.n)
+            choice["prompt_logprobs"] = (
+                prompt_logprobs_json(tokenizer, entries) if p.show_prompt_logprobs else None
             )
-        else:  # on each choice, for that choice's prompt
-            for choice in choices:
-                entries = p.run.prompt_logprobs.get(choice["index"] // p.run.params.n)
-                choice["prompt_logprobs"] = prompt_logprobs_json(tokenizer, entries)
     return response
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.sampling_params import SamplingParams
 
@@ -45,18 +45,11 @@ class StreamOptions(NestedObject):
     # None: not given. OpenAI then sends no usage; vLLM defaults it to true, which is what
     # makes a bare {"continuous_usage_stats": true} work there, so it does here too.
     include_usage: bool | None = None
-    # vLLM: usage (so far) in every chunk, not only in the last one.
+    # vLLM: usage (so far) in every chunk, not only in the last one. With include_usage false
+    # the stream carries no usage at all, as vLLM's own tests pin it.
     continuous_usage_stats: bool = False
     # OpenAI's padding of deltas against length side channels; we send none, so only false.
     include_obfuscation: Literal[False] = False
-
-    @field_validator("continuous_usage_stats")
-    @classmethod
-    def _needs_usage(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("include_usage") is False:
-            # vLLM would quietly send no usage at all; asking for both is a contradiction.
-            raise ValueError("continuous usage stats cannot be sent with include_usage false")
-        return value
 
     @property
     def usage(self) -> bool:

@@ -11,8 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from server.errors import APIError, invalid_parameter, validation_error
 from server.field_policy import check_extra_fields
 from server.handlers import render_chat
+from server.limits import check_chat_limits
 from server.protocol import ChatCompletionRequest
 from server.state import ServerState
+from server.valid_text import check_valid_text
 
 _CHAT_TEMPLATE_FIELDS = {
     "model", "messages", "add_generation_prompt", "continue_final_message",
@@ -39,6 +41,7 @@ class DetokenizeRequest(BaseModel):
 
 async def tokenize(state: ServerState, body: TokenizeRequest) -> dict:
     _check(state, body.model)
+    check_valid_text(body.model_dump(exclude_none=True))
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "give either `prompt` or `messages`", param="prompt")
     tokenizer = state.tokenizer
@@ -62,6 +65,7 @@ def _chat_ids(state: ServerState, body: TokenizeRequest) -> list[int]:
     try:
         chat = ChatCompletionRequest.model_validate({**fields, "model": state.settings.model_name})
         check_extra_fields(chat.model_extra)
+        check_chat_limits(chat, state.settings.limits)  # the same message limits as chat
         chat.check_template_options()
     except ValidationError as e:
         raise validation_error(e) from None

@@ -88,6 +88,21 @@ def test_completion_beyond_a_limit_is_a_400_naming_it(server, fields, param):
     assert_openai_error(r, 400, param=param)
 
 
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        (CHAT * 4, "messages"),
+        ([{"role": "user", "content": [{"type": "text", "text": "a"}] * 3}], "messages[0].content"),
+    ],
+)
+def test_tokenize_holds_chat_messages_to_the_same_limits(server, messages, param):
+    body = {"model": MODEL, "messages": messages}
+    r = httpx.post(server.url + "/tokenize", json=body, timeout=60)
+    assert_openai_error(r, 400, param=param)
+    at_limit = {"model": MODEL, "messages": CHAT * 3}
+    assert httpx.post(server.url + "/tokenize", json=at_limit, timeout=60).status_code == 200
+
+
 def test_requests_at_the_limits_are_served(server):
     r = chat(
         server, n=4, stop=["ab", "12345678"], logit_bias={"1": 1, "2": -1},
