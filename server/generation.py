@@ -117,7 +117,10 @@ class RequestRun:
                 self.metrics.on_finished(ending, time.time() - self.arrival, tokens)
 
     async def _merged_events(self) -> AsyncIterator[ChoiceEvent]:
-        queue: asyncio.Queue = asyncio.Queue()
+        # Bounded: a reader that stops holds every prompt's pump at its next put, so each
+        # prompt's stream backs up to the client's bound and is aborted in the engine (as a
+        # single prompt's is), instead of the engine generating into this queue unread.
+        queue: asyncio.Queue = asyncio.Queue(maxsize=len(self.prompts))
         tasks = [asyncio.create_task(self._pump(i, queue)) for i in range(len(self.prompts))]
         try:
             for _ in range(len(tasks)):

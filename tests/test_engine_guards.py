@@ -70,3 +70,34 @@ def test_a_consumer_that_stops_reading_is_cut_off_and_its_blocks_freed(tiny_mode
             await client.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_multi_prompt_request_whose_reader_stops_is_cut_off_whole(tiny_chat_model_dir):
+    """A completion with several prompts is bounded as one prompt is: its streams back up to
+    the client's bound and every prompt's sequence is aborted, and the reader, when it reads
+    again, gets the client_too_slow ending for every choice still open."""
+    from engine.fast_tokenizer import FastTokenizer
+    from server.generation import RequestRun
+    from server.metrics import ServerMetrics
+
+    tokenizer = FastTokenizer(tiny_chat_model_dir)
+
+    async def main():
+        client = AsyncEngineClient(tiny_config(tiny_chat_model_dir), max_stream_backlog=8)
+        await client.start()
+        try:
+            metrics = ServerMetrics("tiny", lambda: client.stats)
+            run = RequestRun("cmpl-x", [[5, 6, 7], [8, 9, 10], [11, 12]], LONG, [], client,
+                             tokenizer, metrics)  # fmt: skip
+            events = run.events()
+            await events.__anext__()  # reading has started, then the reader stops
+            await wait_until(lambda: all_blocks_free(client) and client.num_in_flight == 0,
+                             timeout=30)  # fmt: skip
+            with pytest.raises(StreamBacklogError):
+                async for _ in events:
+                    pass
+            assert sorted(run.finish_reasons.values()) == ["client_too_slow"] * 3
+        finally:
+            await client.shutdown()
+
+    asyncio.run(main())
