@@ -162,12 +162,11 @@ class RequestRun:
         stream = self.client.generate(engine_id, prompt, self.params, self.speculative)
         # aclosing: leaving the loop early (all choices stopped, a disconnect) aborts at once.
         async with contextlib.aclosing(stream):
-            async for delta in stream:
-                if self.timeout_s is not None and time.time() - self.arrival > self.timeout_s:
-                    # Leaving the loop (aclosing) aborts the request in the engine.
-                    raise RequestTimeoutError(
-                        f"the request ran past the server's limit of {self.timeout_s:g} s"
-                    )
+            while True:
+                try:
+                    delta = await self._next_delta(stream)
+                except StopAsyncIteration:
+                    break
                 if delta.prompt_logprobs is not None:
                     self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
                 if clock.on_delta(delta):
@@ -185,6 +184,23 @@ class RequestRun:
                     yield event
                 if not open_choices:
                     break
+
+    async def _next_delta(self, stream):
+        """The stream's next delta, within the request's wall-clock deadline (from arrival):
+        a request that waits in the queue, or on an engine that stopped stepping, ends at its
+        deadline as one that is generating does. Ending it closes the engine stream, which
+        aborts the request in the engine."""
+        if self.timeout_s is None:
+            return await stream.__anext__()
+        remaining = self.arrival + self.timeout_s - time.time()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            return await asyncio.wait_for(stream.__anext__(), remaining)
+        except TimeoutError:
+            raise RequestTimeoutError(
+                f"the request ran past the server's limit of {self.timeout_s:g} s"
+            ) from None
 
     def _choice_event(self, index: int, detok: IncrementalDetokenizer, c) -> ChoiceEvent:
         if c.finish_reason == "abort":

@@ -68,3 +68,24 @@ def test_a_client_that_leaves_mid_stream_is_counted_as_an_abort(server):
         assert time.monotonic() < deadline, [x for x in metrics.splitlines() if "success" in x]
         time.sleep(0.1)
     assert "finished_reason=abort" in server.log_tail(20000)
+
+
+def test_the_deadline_holds_while_the_engine_stalls(server):
+    """No output arrives at all (the engine process is stopped: what a long queue or a hung
+    step looks like from here): the request still ends at its deadline."""
+    import os
+    import signal
+
+    (engine,) = server.engine_pids()
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        short = {**LONG, "max_tokens": 4}
+        r = httpx.post(server.url + "/v1/chat/completions", json=short, timeout=60)
+        waited = time.monotonic() - started
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    assert r.status_code == 408 and r.json()["error"]["code"] == "timeout", r.text
+    assert waited < 30  # ended by its own deadline, not by the client's or a watchdog's
+    ok = httpx.post(server.url + "/v1/chat/completions", json={**LONG, "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200, ok.text  # the engine steps again
