@@ -23,8 +23,10 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
+    from sse_starlette.sse import AppStatus
 
     from server.app import create_app
+    from server.shutdown import Server
     from server.state import ServerSettings
 
     config = engine_config_from_args(args)
@@ -38,16 +40,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine_stall_timeout_s=args.engine_stall_timeout or None,
         request_timeout_s=args.request_timeout or None,
         cors=cors_from(args),
+        shutdown_timeout_s=args.shutdown_timeout,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=False,  # one line per request comes from specserve.requests instead
         ws_max_size=limits.max_body_bytes,  # a WebSocket message is a request body too
+        # Uvicorn's own bound, a backstop behind ours (server/shutdown.py).
+        timeout_graceful_shutdown=args.shutdown_timeout + 5,
     )
+    # Streams end at our deadline with an error event, not at sse-starlette's first notice.
+    AppStatus.disable_automatic_graceful_drain()
+    Server(config, app.state.specserve.shutdown).run()
     return 0
 
 
@@ -74,6 +83,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds an engine may report nothing while requests are in flight before it is "
         "killed and restarted, its streams ended with an error (0: never)",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds running requests may go on before open streams get "
+        "an error event and [DONE] and the server exits",
     )
     p.add_argument(
         "--request-timeout",

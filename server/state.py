@@ -17,6 +17,7 @@ from server.cors import CorsSettings
 from server.errors import APIError
 from server.limits import RequestLimits
 from server.metrics import ServerMetrics
+from server.shutdown import Shutdown
 from server.spec_log import log_spec_decode
 
 log = logging.getLogger("specserve")
@@ -38,6 +39,8 @@ class ServerSettings:
     request_timeout_s: float | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     cors: CorsSettings = field(default_factory=CorsSettings)
+    # After SIGTERM/SIGINT: how long running requests may go on before they are ended.
+    shutdown_timeout_s: float = 30.0
 
     @property
     def model_name(self) -> str:
@@ -47,6 +50,7 @@ class ServerSettings:
 class ServerState:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
+        self.shutdown = Shutdown(settings.shutdown_timeout_s)
         self.client = AsyncEngineClient(
             settings.config,
             max_restarts=settings.max_engine_restarts,
@@ -105,6 +109,8 @@ class ServerState:
             )
 
     def check_ready(self) -> None:
+        if self.shutdown.stopping:
+            raise APIError(503, "the server is shutting down", code="server_shutdown")
         if not self.ready:
             raise APIError(
                 503,

@@ -1,0 +1,101 @@
+"""A bounded shutdown: on SIGTERM or SIGINT the server stops accepting requests, lets what is
+running finish for up to ``--shutdown-timeout`` seconds, then ends the streams still open
+with an error event and ``[DONE]`` (and the other requests still running with a 503), stops
+the engine and exits with status 0.
+
+Uvicorn alone waits for open connections without a bound (a client that keeps a stream open
+keeps the server alive, its engine generating), and sse-starlette's own drain ends streams
+without a word; so the server runs its own uvicorn ``Server`` that starts this clock, and
+responses race their work against ``deadline``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+
+import uvicorn
+
+log = logging.getLogger("specserve.shutdown")
+
+SHUTDOWN_MESSAGE = "the server is shutting down"
+
+
+class Shutdown:
+    """The shutdown clock one app shares: ``stopping`` once a signal came, ``deadline`` set
+    ``timeout_s`` later."""
+
+    def __init__(self, timeout_s: float = 30.0):
+        self.timeout_s = timeout_s
+        self.stopping = False
+        self.deadline = asyncio.Event()
+
+    def begin(self) -> None:
+        """Start the clock (on the event loop's thread)."""
+        if self.stopping:
+            return
+        self.stopping = True
+        log.info("shutting down: open requests have %.3g s to finish", self.timeout_s)
+        asyncio.get_running_loop().call_later(self.timeout_s, self.deadline.set)
+
+
+async def first_or_deadline(awaitable, shutdown: Shutdown):
+    """``awaitable``'s result, or ``ShutdownDeadline`` if the deadline comes first (the
+    awaitable is then cancelled)."""
+    work = asyncio.ensure_future(awaitable)
+    if shutdown.deadline.is_set():
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        raise ShutdownDeadline(SHUTDOWN_MESSAGE)
+    stop = asyncio.ensure_future(shutdown.deadline.wait())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(BaseException):
+        await work
+    raise ShutdownDeadline(SHUTDOWN_MESSAGE)
+
+
+class ShutdownDeadline(Exception):
+    """The shutdown deadline passed while a request was still running."""
+
+
+class Server(uvicorn.Server):
+    """Uvicorn's server with the shutdown clock: a signal starts it in the app (and uvicorn's
+    own drain, bounded a little past it), and the process exits 0 after a clean shutdown
+    instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, shutdown: Shutdown):
+        super().__init__(config)
+        self.clock = shutdown  # (``shutdown`` is uvicorn's own method)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self.clock.begin)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
