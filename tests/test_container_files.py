@@ -38,7 +38,8 @@ def test_hadolint_finds_nothing(name):
 def test_image_promises(name):
     lines = [line.strip() for line in (ROOT / name).read_text().splitlines()]
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
-    assert users and users[-1] != "root" and users[-1].isdigit()  # runs unprivileged
+    # Runs unprivileged: the last USER is a numeric uid other than 0 (root by any name).
+    assert users and users[-1].isdigit() and int(users[-1]) != 0, users
     health = next(i for i, line in enumerate(lines) if line.startswith("HEALTHCHECK"))
     assert "/health" in lines[health] + lines[health + 1]
     assert 'VOLUME ["/models"]' in lines
