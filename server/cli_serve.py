@@ -54,8 +54,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # Uvicorn's own bound, a backstop behind ours (server/shutdown.py).
         timeout_graceful_shutdown=args.shutdown_timeout + 5,
     )
-    # Streams end at our deadline with an error event, not at sse-starlette's first notice.
-    AppStatus.disable_automatic_graceful_drain()
+    # Streams end at our deadline with an error event, not at sse-starlette's first notice
+    # (releases before the switch existed cut them at the signal).
+    getattr(AppStatus, "disable_automatic_graceful_drain", lambda: None)()
     Server(config, app.state.specserve.shutdown).run()
     return 0
 
