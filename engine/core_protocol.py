@@ -265,39 +265,8 @@ def engine_stats(engine: Engine) -> EngineStats:
 
 
 def _spec_stats(engine: Engine) -> dict:
-    if engine.speculator is None:
-        return {}
-    spec = engine.speculator.stats
-    by_decoder = tuple(
-        (
-            name,
-            (
-                stats.num_drafts,
-                stats.num_draft_tokens,
-                stats.num_accepted_tokens,
-                tuple(stats.accepted_per_position),
-            ),
-        )
-        for name, stats in engine.speculator.stats_by_decoder.items()
-    )
-    policy = engine.speculator.policy
-    lengths = ()
-    if policy is not None:
-        lengths = tuple(
-            (name, tuple(chosen.get(k, 0) for k in range(max(chosen, default=-1) + 1)))
-            for name, chosen in policy.chosen.items()
-        )
-    return {
-        "decoder": engine.speculator.default_method,
-        "spec_by_decoder": by_decoder,
-        "spec_draft_lengths": lengths,
-        "spec_policy_predicted_seconds": engine.speculator.predicted_step_seconds,
-        "spec_policy_measured_seconds": engine.speculator.measured_step_seconds,
-        "spec_num_drafts": spec.num_drafts,
-        "spec_num_draft_tokens": spec.num_draft_tokens,
-        "spec_num_accepted_tokens": spec.num_accepted_tokens,
-        "spec_accepted_per_position": tuple(spec.accepted_per_position),
-    }
+    """The speculator's statistics (it owns them), as EngineStats fields."""
+    return {} if engine.speculator is None else engine.speculator.statistics()
 
 
 def engine_info(engine: Engine, model_dir: object) -> EngineInfo:

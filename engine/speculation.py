@@ -297,6 +297,37 @@ class Speculator:
             self.hand_out_features(hidden, scheduled, proposals, paths)
         return Verification(results, accepted, sources)
 
+    def statistics(self) -> dict:
+        """Everything speculation counts, as ``EngineStats`` fields (core_protocol.py) and so
+        as /metrics series: the one place they are read from, engine to server.
+
+        Totals and per decoder (vLLM's spec_decode_* counters), the goodput policy's chosen
+        draft lengths per decoder, and its last predicted step time against the measured one.
+        """
+        by_decoder = tuple(
+            (name, (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens,
+                    tuple(s.accepted_per_position)))
+            for name, s in self.stats_by_decoder.items()
+        )  # fmt: skip
+        lengths = ()
+        if self.policy is not None:
+            lengths = tuple(
+                (name, tuple(chosen.get(k, 0) for k in range(max(chosen, default=-1) + 1)))
+                for name, chosen in self.policy.chosen.items()
+            )
+        total = self.stats
+        return {
+            "decoder": self.default_method,
+            "spec_by_decoder": by_decoder,
+            "spec_draft_lengths": lengths,
+            "spec_policy_predicted_seconds": self.predicted_step_seconds,
+            "spec_policy_measured_seconds": self.measured_step_seconds,
+            "spec_num_drafts": total.num_drafts,
+            "spec_num_draft_tokens": total.num_draft_tokens,
+            "spec_num_accepted_tokens": total.num_accepted_tokens,
+            "spec_accepted_per_position": tuple(total.accepted_per_position),
+        }
+
     def hand_out_features(self, hidden, scheduled, proposals, paths) -> None:
         """Give each feature-reading decoder the target's hidden states of the tokens that
         stand: the step's tokens, then the accepted drafts (a tree's along its path). ``hidden``
