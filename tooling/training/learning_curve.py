@@ -1,0 +1,60 @@
+"""The learning curve a trained EAGLE drafter keeps in its config (held-out top-1 accuracy per
+depth against the answer tokens trained on), as a PNG:
+
+    python -m tooling.training.learning_curve DRAFTER_DIR [--output docs/eagle-learning-curve.png]
+        [--mark "LABEL:TOKENS:ACCURACY" ...]   # other drafters on the same held-out set
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def plot(drafter: Path, output: Path, marks: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    config = json.loads((drafter / "config.json").read_text())
+    curve = config["training"].get("learning_curve") or []
+    if not curve:
+        raise ValueError(f"{drafter}: no learning curve in its config")
+    tokens = [point[0] for point in curve]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for depth in range(len(curve[0][1])):
+        ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
+                label=f"depth {depth + 1}")  # fmt: skip
+    for mark in marks:  # e.g. the shipped drafter scored by `specserve train evaluate`
+        label, trained, accuracy = mark.rsplit(":", 2)
+        ax.scatter([float(trained)], [100 * float(accuracy)], marker="x", color="black")
+        ax.annotate(label, (float(trained), 100 * float(accuracy)), textcoords="offset points",
+                    xytext=(4, -12), fontsize=8)  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("answer tokens trained on (one pass)")
+    ax.set_ylabel("held-out top-1 accuracy (%)")
+    ax.set_title(f"EAGLE drafter for {config['target'].get('model', 'the target')}: learning curve")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("drafter", type=Path)
+    parser.add_argument("--output", type=Path, default=Path("docs/eagle-learning-curve.png"))
+    parser.add_argument("--mark", action="append", default=[],
+                        help="LABEL:TOKENS:ACCURACY, a depth-1 point to compare")  # fmt: skip
+    args = parser.parse_args()
+    plot(args.drafter, args.output, args.mark)
+    print(args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
