@@ -349,6 +349,16 @@ class AsyncEngineClient:
             if not done and proc is self._proc:
                 proc.send(AbortRequest(request_id))
 
+    def end_streams(self, error: Exception) -> int:
+        """End every open stream with ``error`` where its reader waits, and abort its request
+        in the engine (the server's shutdown deadline); returns how many there were."""
+        streams, self._streams = self._streams, {}
+        for request_id, stream in streams.items():
+            stream.put_nowait(error)
+            if self._proc is not None and not self._proc.exited:
+                self._proc.send(AbortRequest(request_id))
+        return len(streams)
+
     async def abort(self, request_id: str, choice_index: int | None = None) -> None:
         """Abort a request, or only its continuation ``choice_index``; the others go on.
 

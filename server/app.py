@@ -35,7 +35,6 @@ from server.handlers import (
 )
 from server.limits import BodySizeLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.shutdown import SHUTDOWN_MESSAGE, Shutdown, ShutdownDeadline, first_or_deadline
 from server.state import ServerSettings, ServerState
 from server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from server.websocket import install_websocket
@@ -143,22 +142,17 @@ def _version() -> str:
 async def respond(p: Prepared, stream: bool, request: Request):
     """Everything that can fail on input has been checked: now start the response."""
     start = time.perf_counter()
-    shutdown = request.app.state.specserve.shutdown
     if stream:
-        return EventSourceResponse(_sse(p, start, shutdown), sep="\n", ping=15)
+        return EventSourceResponse(_sse(p, start), sep="\n", ping=15)
     status = 200
     work = asyncio.create_task(full_response(p))
     gone = asyncio.create_task(_disconnected(request))
-    stop = asyncio.create_task(shutdown.deadline.wait())
     try:
-        await asyncio.wait({work, gone, stop}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client left, or the shutdown deadline came: stop generating
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client left: stop generating for nobody
+            status = 499
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            if stop.done():
-                status = 503
-                raise APIError(503, SHUTDOWN_MESSAGE, code="server_shutdown")
-            status = 499
             return Response(status_code=499)
         return work.result()
     except GENERATION_ERRORS as e:
@@ -167,7 +161,6 @@ async def respond(p: Prepared, stream: bool, request: Request):
         raise err from None
     finally:
         gone.cancel()
-        stop.cancel()
         _log(p, status, start)
 
 
@@ -177,25 +170,18 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _sse(p: Prepared, start: float, shutdown: Shutdown) -> AsyncIterator[dict]:
+async def _sse(p: Prepared, start: float) -> AsyncIterator[dict]:
     status = 200
     try:
         async with contextlib.aclosing(stream_chunks(p)) as chunks:
-            while True:
-                try:
-                    chunk = await first_or_deadline(chunks.__anext__(), shutdown)
-                except StopAsyncIteration:
-                    break
+            async for chunk in chunks:
                 yield {"data": json.dumps(chunk)}
     except GENERATION_ERRORS as e:
-        # Headers are gone already: the error travels as an event, as vLLM does.
+        # Headers are gone already: the error travels as an event, as vLLM does (a stream
+        # still open at the shutdown deadline ends this way too).
         err = engine_error(e)
         status = err.status
         yield {"data": json.dumps(error_body(err.status, err.message, err.param, err.code))}
-    except ShutdownDeadline as e:
-        # Still open at the shutdown deadline: told so, then [DONE], like any other ending.
-        status = 503
-        yield {"data": json.dumps(error_body(503, str(e), code="server_shutdown"))}
     except asyncio.CancelledError:
         status = 499  # the client went away; leaving the generator aborted the request
         raise

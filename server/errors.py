@@ -20,6 +20,7 @@ from engine.core_protocol import (
     RequestTimeoutError,
     StreamBacklogError,
 )
+from server.shutdown import ShutdownDeadline
 
 log = logging.getLogger("specserve.requests")
 
@@ -132,12 +133,15 @@ def engine_error(exc: Exception) -> APIError:
         return APIError(408, str(exc), code="client_too_slow")  # the client did not read
     if isinstance(exc, RequestTimeoutError):
         return APIError(408, str(exc), code="timeout")
+    if isinstance(exc, ShutdownDeadline):
+        return APIError(503, str(exc), code="server_shutdown")
     if isinstance(exc, (EngineDeadError, EngineNotReadyError)):
         return APIError(503, f"The engine failed while serving this request: {exc}")
     return APIError(400, str(exc))  # a ValueError: the engine refused the request
 
 
 GENERATION_ERRORS = (
+    ShutdownDeadline,
     EngineDeadError,
     EngineNotReadyError,
     StreamBacklogError,

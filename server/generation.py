@@ -18,6 +18,7 @@ from engine.core_protocol import EngineDeadError, RequestTimeoutError, StreamBac
 from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SampledToken, SamplingParams
 from server.metrics import ServerMetrics
+from server.shutdown import ShutdownDeadline
 
 
 @dataclass
@@ -236,8 +237,8 @@ def ending_of(error: BaseException) -> str:
         return "client_too_slow"
     if isinstance(error, RequestTimeoutError):
         return "timeout"
-    if isinstance(error, (asyncio.CancelledError, GeneratorExit)):
-        return "abort"
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit, ShutdownDeadline)):
+        return "abort"  # the client went away, or the server is going
     return "error"
 
 

@@ -5,8 +5,10 @@ the engine and exits with status 0.
 
 Uvicorn alone waits for open connections without a bound (a client that keeps a stream open
 keeps the server alive, its engine generating), and sse-starlette's own drain ends streams
-without a word; so the server runs its own uvicorn ``Server`` that starts this clock, and
-responses race their work against ``deadline``.
+without a word; so the server runs its own uvicorn ``Server`` that starts this clock, and at
+the deadline every engine stream still open fails with ``ShutdownDeadline`` where its reader
+waits (no extra task races a response's generators), which the response turns into an error
+event and [DONE], or a 503.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ SHUTDOWN_MESSAGE = "the server is shutting down"
 
 
 class Shutdown:
-    """The shutdown clock one app shares: ``stopping`` once a signal came, ``deadline`` set
-    ``timeout_s`` later."""
+    """The shutdown clock one app shares: ``stopping`` once a signal came; ``timeout_s``
+    later, ``at_deadline`` runs (the server ends every engine stream still open with
+    ``ShutdownDeadline``, which each response turns into its ending)."""
 
-    def __init__(self, timeout_s: float = 30.0):
+    def __init__(self, timeout_s: float = 30.0, at_deadline=lambda: None):
         self.timeout_s = timeout_s
         self.stopping = False
-        self.deadline = asyncio.Event()
+        self.at_deadline = at_deadline
 
     def begin(self) -> None:
         """Start the clock (on the event loop's thread)."""
@@ -39,29 +42,7 @@ class Shutdown:
             return
         self.stopping = True
         log.info("shutting down: open requests have %.3g s to finish", self.timeout_s)
-        asyncio.get_running_loop().call_later(self.timeout_s, self.deadline.set)
-
-
-async def first_or_deadline(awaitable, shutdown: Shutdown):
-    """``awaitable``'s result, or ``ShutdownDeadline`` if the deadline comes first (the
-    awaitable is then cancelled)."""
-    work = asyncio.ensure_future(awaitable)
-    if shutdown.deadline.is_set():
-        work.cancel()
-        with contextlib.suppress(BaseException):
-            await work
-        raise ShutdownDeadline(SHUTDOWN_MESSAGE)
-    stop = asyncio.ensure_future(shutdown.deadline.wait())
-    try:
-        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(BaseException):
-        await work
-    raise ShutdownDeadline(SHUTDOWN_MESSAGE)
+        asyncio.get_running_loop().call_later(self.timeout_s, self.at_deadline)
 
 
 class ShutdownDeadline(Exception):

@@ -17,7 +17,7 @@ from server.cors import CorsSettings
 from server.errors import APIError
 from server.limits import RequestLimits
 from server.metrics import ServerMetrics
-from server.shutdown import Shutdown
+from server.shutdown import SHUTDOWN_MESSAGE, Shutdown, ShutdownDeadline
 from server.spec_log import log_spec_decode
 
 log = logging.getLogger("specserve")
@@ -50,7 +50,7 @@ class ServerSettings:
 class ServerState:
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.shutdown = Shutdown(settings.shutdown_timeout_s)
+        self.shutdown = Shutdown(settings.shutdown_timeout_s, self._end_open_streams)
         self.client = AsyncEngineClient(
             settings.config,
             max_restarts=settings.max_engine_restarts,
@@ -63,6 +63,11 @@ class ServerState:
         self.created = int(time.time())
         self._starting: asyncio.Task | None = None
         self._spec_log: asyncio.Task | None = None
+
+    def _end_open_streams(self) -> None:
+        """The shutdown deadline: whatever still streams from the engine ends now."""
+        ended = self.client.end_streams(ShutdownDeadline(SHUTDOWN_MESSAGE))
+        log.info("shutdown deadline: %d engine streams still open were ended", ended)
 
     async def start(self) -> None:
         """Start the engine in the background: /health answers 503 until it is ready."""

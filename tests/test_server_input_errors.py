@@ -96,7 +96,7 @@ def test_an_unexpected_error_in_a_stream_ends_it_with_an_error_event_and_done(
 
     monkeypatch.setattr(app_module, "stream_chunks", failing_chunks)
     usage = types.SimpleNamespace(prompt_tokens=1, completion_tokens=1)
-    run = types.SimpleNamespace(usage=usage)
+    run = types.SimpleNamespace(usage=usage, endings=lambda: "none")
     prepared = types.SimpleNamespace(response_id="cmpl-test", run=run)
 
     async def collect():

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 
-def plot(drafter: Path, output: Path, marks: list[str]) -> None:
+def plot(drafter: Path, output: Path, marks: list[str], title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -24,7 +24,7 @@ def plot(drafter: Path, output: Path, marks: list[str]) -> None:
     if not curve:
         raise ValueError(f"{drafter}: no learning curve in its config")
     tokens = [point[0] for point in curve]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     for depth in range(len(curve[0][1])):
         ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
                 label=f"depth {depth + 1}")  # fmt: skip
@@ -32,11 +32,11 @@ def plot(drafter: Path, output: Path, marks: list[str]) -> None:
         label, trained, accuracy = mark.rsplit(":", 2)
         ax.scatter([float(trained)], [100 * float(accuracy)], marker="x", color="black")
         ax.annotate(label, (float(trained), 100 * float(accuracy)), textcoords="offset points",
-                    xytext=(4, -12), fontsize=8)  # fmt: skip
+                    xytext=(-6, -4 - 11 * marks.index(mark)), fontsize=8, ha="right")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("answer tokens trained on (one pass)")
     ax.set_ylabel("held-out top-1 accuracy (%)")
-    ax.set_title(f"EAGLE drafter for {config['target'].get('model', 'the target')}: learning curve")
+    ax.set_title(f"EAGLE drafter: held-out accuracy against training data ({title})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -48,10 +48,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("drafter", type=Path)
     parser.add_argument("--output", type=Path, default=Path("docs/eagle-learning-curve.png"))
+    parser.add_argument("--title", default="", help="e.g. the target's name")
     parser.add_argument("--mark", action="append", default=[],
                         help="LABEL:TOKENS:ACCURACY, a depth-1 point to compare")  # fmt: skip
     args = parser.parse_args()
-    plot(args.drafter, args.output, args.mark)
+    plot(args.drafter, args.output, args.mark, args.title)
     print(args.output)
     return 0
 
