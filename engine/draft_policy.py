@@ -270,6 +270,11 @@ class GoodputPolicy:
         self.predicted_seconds: float | None = None  # the last choice's predicted step time
         self.explore = False  # whether one sequence should draft one more than the choice
 
+    @property
+    def calibrated(self) -> bool:
+        """Whether the step timings are in (or there was nothing to time)."""
+        return self._calibrate is None
+
     def ensure_calibrated(self) -> None:
         if self._calibrate is not None:
             measure, self._calibrate = self._calibrate, None

@@ -106,6 +106,12 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.sampler = Sampler(self.eos_token_ids)
         self.speculator = self.build_speculator(config.decoder)
+        if config.decoder.method != "autoregressive":
+            # The goodput policy times the target's steps before its first choice (about 2 s
+            # on SmolLM2 here): done now, not inside a request's first drafting step, where it
+            # had made a fresh engine's ngram run at 0.58x plain decoding. Decoders loaded
+            # only for requests that pick them stay lazy (the server calibrates at start-up).
+            self.calibrate_step_costs()
         if self.runner.graphs is not None:
             self._precapture_graphs()
         self.requests: dict[str, Request] = {}

@@ -293,6 +293,8 @@ class _Run:
 def _warm_up(llm: LLM, speculators: dict, hf, prompt: list[int]) -> None:
     """One short generation per method; then the speculators count from zero."""
     for spec in speculators.values():
+        if spec is not None and spec.policy is not None:
+            spec.policy.ensure_calibrated()  # as a fresh engine does, outside the timing
         llm.engine.speculator = spec
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
         if spec is not None:
