@@ -163,17 +163,12 @@ def _add_data_parser(which) -> None:
 
 def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
-    from tooling.training.train_eagle import evaluate_eagle
+    from tooling.training.train_eagle import evaluate_eagle, print_accuracies
 
     model = {"model": args.model} if args.model else {}
     llm = LLM(**model, decoder={"load_shipped_drafters": False})
     accuracies = evaluate_eagle(llm, args.drafter, Path(args.data), args.depth)
-    chain, expected = 1.0, 0.0
-    for s, row in enumerate(accuracies, start=1):
-        chain *= row[0]
-        expected += chain
-        print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
-              + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
+    print_accuracies(accuracies)
     return 0
 
 

@@ -242,13 +242,19 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         network, rope_of, splits["held_out"], model.embed, readout, vocab, arch.vocab_size,
         options.depth, options.top_k,
     )  # fmt: skip
+    print_accuracies(accuracies)
+    return write_drafter("eagle", network, vocab, accuracies, model, options, int(len(labels)), run)
+
+
+def print_accuracies(accuracies: list[list[float]]) -> None:
+    """Held-out top-i accuracy per depth, and the accepted drafts a chain of each length
+    should then get (the product of the depths' top-1 accuracies, summed)."""
     chain, expected = 1.0, 0.0
     for s, row in enumerate(accuracies, start=1):
         chain *= row[0]
         expected += chain
         print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
               + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
-    return write_drafter("eagle", network, vocab, accuracies, model, options, int(len(labels)), run)
 
 
 def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top_k: int = 4):
