@@ -10,6 +10,9 @@ whose tokenizer adds a BOS token, starts only for the tests of ``add_special_tok
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -115,3 +118,45 @@ def tokenize(server, **body) -> list[int]:
     r = httpx.post(server.url + "/tokenize", json={"model": MODEL, **body}, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["tokens"]
+
+
+# ---- the browser tests' fixtures (test_conformance_browser.py, _playground.py) --------------
+def chromium_path() -> str | None:
+    """Debian's Chromium (or another local one); Playwright cannot download its own here."""
+    candidates = [
+        os.environ.get("SPECSERVE_CHROMIUM"),
+        "/usr/lib/chromium/chromium",  # Debian's binary (/usr/bin/chromium is a shell wrapper)
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+        shutil.which("google-chrome"),
+    ]
+    return next((c for c in candidates if c and Path(c).is_file()), None)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Playwright's sync API for this module only: it keeps an event loop marked running on
+    the main thread while it lives, which would break every later test that calls
+    asyncio.run (so not pytest-playwright's session-wide fixtures)."""
+    path = chromium_path()
+    if path is None:
+        pytest.skip(
+            "no Chromium installed (apt-get install chromium); Playwright cannot download one here"
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context()
+    try:
+        yield context.new_page()
+    finally:
+        context.close()

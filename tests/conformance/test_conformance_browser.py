@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import http.server
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -23,44 +22,6 @@ KEY = "browser-key"
 BODY = {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8}
 
 
-def _chromium() -> str | None:
-    candidates = [
-        os.environ.get("SPECSERVE_CHROMIUM"),
-        "/usr/lib/chromium/chromium",  # Debian's binary (/usr/bin/chromium is a shell wrapper)
-        shutil.which("chromium"),
-        shutil.which("chromium-browser"),
-        shutil.which("google-chrome"),
-    ]
-    return next((c for c in candidates if c and Path(c).is_file()), None)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    """Playwright's sync API for this module only: it keeps an event loop marked running on
-    the main thread while it lives, which would break every later test that calls
-    asyncio.run (so not pytest-playwright's session-wide fixtures)."""
-    path = _chromium()
-    if path is None:
-        pytest.skip(
-            "no Chromium installed (apt-get install chromium); Playwright cannot download one here"
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=path)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context()
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 @pytest.fixture(scope="module")

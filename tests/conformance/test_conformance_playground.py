@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 from tests.conformance.conftest import CHAT, MODEL, _start
-from tests.conformance.test_conformance_browser import _chromium
 
 KEY = "playground-key"
 PAGE = Path(__file__).parents[2] / "server" / "static" / "playground.html"
@@ -147,31 +146,6 @@ def test_special_tokens_from_provenance_are_never_rendered():
 # --- Chromium ----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def browser():
-    """As in test_conformance_browser.py: Playwright's sync API for this module only."""
-    path = _chromium()
-    if path is None:
-        pytest.skip(
-            "no Chromium installed (apt-get install chromium); Playwright cannot download one here"
-        )
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=path)
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-@pytest.fixture
-def page(browser):
-    context = browser.new_context()
-    try:
-        yield context.new_page()
-    finally:
-        context.close()
 
 
 def _wait_loaded(page, after: int) -> None:
