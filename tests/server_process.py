@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -86,3 +87,16 @@ class ServerProcess:
                 self.proc.wait()
         if self.log_path:
             self._log.close()
+
+
+@contextlib.contextmanager
+def serving_tiny(model_dir: Path, log_path: Path, *args: str):
+    """``specserve serve`` on a tiny test model served as "tiny", with ``args``, ready; stopped
+    on exit."""
+    proc = ServerProcess("--model", str(model_dir), "--served-model-name", "tiny", *args,
+                         log_path=log_path)  # fmt: skip
+    try:
+        proc.wait_ready()
+        yield proc
+    finally:
+        proc.stop()

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import serving_tiny
 
 LONG = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 990,
         "ignore_eos": True, "stream": True}  # fmt: skip
@@ -21,15 +21,9 @@ LONG = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 @pytest.fixture
 def server(tiny_chat_model_dir, tmp_path):
-    proc = ServerProcess(
-        "--model", str(tiny_chat_model_dir), "--served-model-name", "tiny",
-        "--shutdown-timeout", "0.3", log_path=tmp_path / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready()
+    log = tmp_path / "server.log"
+    with serving_tiny(tiny_chat_model_dir, log, "--shutdown-timeout", "0.3") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_sigterm_ends_open_streams_at_the_deadline_and_exits_cleanly(server):

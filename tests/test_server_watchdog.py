@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_process import ServerProcess
+from tests.server_process import serving_tiny
 
 LONG = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 990,
         "ignore_eos": True, "stream": True}  # fmt: skip
@@ -21,15 +21,9 @@ LONG = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_t
 
 @pytest.fixture
 def server(tiny_chat_model_dir, tmp_path):
-    proc = ServerProcess(
-        "--model", str(tiny_chat_model_dir), "--served-model-name", "tiny",
-        "--engine-stall-timeout", "2", log_path=tmp_path / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready()
+    log = tmp_path / "server.log"
+    with serving_tiny(tiny_chat_model_dir, log, "--engine-stall-timeout", "2") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_a_stalled_engine_ends_the_stream_turns_health_503_and_comes_back(server):
