@@ -160,14 +160,16 @@ def test_the_engine_times_its_steps_once_before_the_first_choice(tiny_model_dir)
     decoder = {"method": "ngram", "num_speculative_tokens": 3}  # the policy is the default
     llm = LLM(model=str(tiny_model_dir), decoder=decoder, scheduler={"max_num_seqs": 4})
     policy = llm.engine.speculator.policy
-    assert policy is not None and not policy.cost.products
-    free = llm.engine.block_manager.num_free_blocks
-    llm.engine.calibrate_step_costs()
-    # Decode-shaped steps up to 4 sequences x (1 + 3 drafts), their blocks given back.
+    # Timed when the engine was built (it drafts by default): decode-shaped steps up to 4
+    # sequences x (1 + 3 drafts), their blocks given back.
+    assert policy is not None and policy.calibrated
     assert sorted(policy.cost.products) == [1, 2, 3, 4, 5, 6, 8, 12, 16]
     assert policy.cost.predict(16, keys=16 * 200) > 0 and policy.cost.key_seconds >= 0
-    assert llm.engine.block_manager.num_free_blocks == free
+    blocks = llm.engine.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
     timed = dict(policy.cost.products)
+    llm.engine.calibrate_step_costs()  # once only
+    assert policy.cost.products == timed
     llm.generate([[5, 6, 7, 8, 9] * 6], SamplingParams(temperature=0, max_tokens=8))
     assert policy.cost.products == timed and policy.cost.scale != 1.0  # rescaled, not re-timed
 
