@@ -270,6 +270,22 @@ register(
 )
 register(
     DecoderSpec(
+        "eagle3",
+        "engine.decoders.eagle3:build_eagle3_decoder",
+        "EAGLE-3: EAGLE's layer over a low, a middle and a high target layer, its own head",
+        section=EagleConfig,
+        trained=True,
+        network="engine.decoders.eagle3:Eagle3Network",
+        bench={
+            "eagle3": {"method": "eagle3"},
+            **_k("eagle3", 1, 2, 3),
+            "eagle3-tree2": {"method": "eagle3", "eagle3": {"tree_top_k": 2}},
+            **_goodput("eagle3"),
+        },
+    )  # fmt: skip
+)
+register(
+    DecoderSpec(
         "kangaroo",
         "engine.decoders.kangaroo:build_kangaroo_decoder",
         "Kangaroo: the target's first layers and a trained adapter draft, with an early exit",

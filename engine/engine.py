@@ -29,6 +29,7 @@ from engine.scheduler import ScheduledSequence, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 from engine.speculation import Speculator
 from engine.step_costs import time_forward_steps
+from engine.target_features import TargetFeatures
 from engine.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -126,8 +127,10 @@ class Engine:
         spec = self.speculator
         if spec is not None:
             queries.append(1 + self.config.decoder.num_speculative_tokens)
-            if spec.reads_target_hidden:
-                options.append({"hidden_layer": self.model.arch.num_layers - 1, "all_hidden": True})
+            layers = spec.loaded_feature_layers()
+            if layers:
+                hidden_layer = layers[0] if len(layers) == 1 else layers
+                options.append({"hidden_layer": hidden_layer, "all_hidden": True})
         count = self.runner.graphs.precapture(self.config.scheduler.max_num_seqs, queries, options)
         log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - started)
 
@@ -162,6 +165,7 @@ class Engine:
             )
             if config.draft_policy == "goodput"
             else None,
+            num_target_layers=self.model.arch.num_layers,
         )
 
     def _step_cost_timer(self, config: DecoderConfig):
@@ -395,17 +399,22 @@ class Engine:
             self.block_manager.commit_full_blocks(s.seq)
         return {seq: self._append(seq, tokens, sources.get(seq)) for seq, tokens in emitted}
 
-    def _forward(self, items, scheduled) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The step's logits, and the last layer's hidden states of every token row when a
-        sequence of the step drafts with a decoder that reads them or captures them (else
-        None)."""
+    def _forward(self, items, scheduled) -> tuple[torch.Tensor, TargetFeatures | None]:
+        """The step's logits, and the hidden states of every token row at the layers the
+        step's drafting decoders read (the last layer where a sequence captures its own),
+        when there are any (else None)."""
         spec = self.speculator
-        capture = any(s.seq.hidden_chunks is not None for s in scheduled)
-        if not capture and (spec is None or not spec.needs_target_hidden(scheduled)):
-            return self.runner.run(items), None
         last = self.model.arch.num_layers - 1
-        out = self.runner.forward(items, hidden_layer=last, all_hidden=True)
-        return out.logits, out.hidden_states
+        layers = set() if spec is None else set(spec.feature_layers(scheduled))
+        if any(s.seq.hidden_chunks is not None for s in scheduled):
+            layers.add(last)
+        if not layers:
+            return self.runner.run(items), None
+        wanted = tuple(sorted(layers))
+        out = self.runner.forward(
+            items, hidden_layer=wanted[0] if len(wanted) == 1 else wanted, all_hidden=True
+        )
+        return out.logits, TargetFeatures(out.hidden_states, wanted)
 
     def _record_prompt_logprobs(self, wanted: list[tuple[Sequence, range]]) -> None:
         """The prompt logprobs of this step's prompt chunks, from the runner's extra rows."""
@@ -513,10 +522,13 @@ class Engine:
         )
 
 
-def _capture_hidden(hidden: torch.Tensor, scheduled: list[ScheduledSequence], items) -> None:
+def _capture_hidden(features: TargetFeatures, scheduled: list[ScheduledSequence], items) -> None:
     """Keep the hidden-state rows of the sequences that capture them (one row per token of
     the flattened batch, in item order)."""
-    row = 0
+    if not any(s.seq.hidden_chunks is not None for s in scheduled):
+        return
+    last = (features.layers[-1],)  # the engine adds the last layer when a sequence captures
+    hidden, row = features.of(last), 0
     for s, item in zip(scheduled, items, strict=True):
         n = len(item.token_ids)
         if s.seq.hidden_chunks is not None:

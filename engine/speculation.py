@@ -87,7 +87,9 @@ class Speculator:
         gate: TargetConfidenceGate | None = None,
         kv_cache: KVCache | None = None,
         policy: GoodputPolicy | None = None,
+        num_target_layers: int = 0,
     ):
+        self.model_layers = num_target_layers  # the layers feature-reading decoders pick from
         self.decoders = decoders  # drafting decoders by name (autoregressive is not one)
         self.default_method = default_method
         self.num_speculative_tokens = num_speculative_tokens  # k unless a request sets its own
@@ -117,6 +119,29 @@ class Speculator:
         return self.reads_target_hidden and any(
             (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden for s in scheduled
         )
+
+    def feature_layers(self, scheduled: list[ScheduledSequence]) -> tuple[int, ...]:
+        """The target layers whose outputs this step's feature-reading decoders read."""
+        if not self.reads_target_hidden:
+            return ()
+        num_layers = self.model_layers
+        layers = {
+            layer
+            for s in scheduled
+            if (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden
+            for layer in d.feature_layers(num_layers)
+        }
+        return tuple(sorted(layers))
+
+    def loaded_feature_layers(self) -> tuple[int, ...]:
+        """The layers every loaded feature-reading decoder reads (CUDA graphs' capture)."""
+        layers = {
+            layer
+            for d in self.decoders.values()
+            if d.reads_target_hidden
+            for layer in d.feature_layers(self.model_layers)
+        }
+        return tuple(sorted(layers))
 
     def plain_step(self, scheduled: list[ScheduledSequence], proposals: dict) -> bool:
         """Whether this step can run as plain autoregressive decoding: no drafts to verify and
@@ -338,8 +363,9 @@ class Speculator:
             drafts = len(proposals[seq].token_ids) if s.num_lookahead else 0
             decoder = self.decoder_of(seq)
             if decoder is not None and decoder.reads_target_hidden:
+                columns = hidden.of(decoder.feature_layers(self.model_layers))
                 rows = list(range(row, row + n)) + [row + n + node for node in paths.get(seq, [])]
-                features = hidden[row : row + n] if len(rows) == n else hidden[rows]
+                features = columns[row : row + n] if len(rows) == n else columns[rows]
                 decoder.observe_target_features(seq, seq.num_computed_tokens, features)
             row += n + drafts
 

@@ -24,6 +24,7 @@ from engine.model_runner import ForwardItem, ModelRunner
 from engine.sampling import probabilities, process_logits
 from tests.stats import chi_square_p_value
 from tests.tiny_models import (
+    save_eagle3_drafter,
     save_eagle_drafter,
     save_heads_drafter,
     save_kangaroo_drafter,
@@ -58,14 +59,16 @@ PARAMS = {
 # hierarchy's level 1 being its first layer, and an entropy window (tau inside the model's
 # range of entropies) that may stop a chain at one draft. tau2 above every entropy keeps
 # level 2 drafting to k. "medusa", "hydra": random heads whose two drafts are siblings (a tree).
-# "eagle": a random EAGLE layer, "kangaroo": a random adapter after the first layer, whose
-# drafts are drawn from their q; in "separate", the EAGLE layer drafts EAGLE-2 trees of two
-# deterministic nodes (siblings or a chain, as its values rank them).
+# "eagle": a random EAGLE layer ("eagle3": EAGLE-3's, over all three layers), "kangaroo": a
+# random adapter after the first layer, whose drafts are drawn from their q; in "separate", the
+# EAGLE layers draft EAGLE-2 trees of two deterministic nodes (siblings or a chain, as its
+# values rank them).
 DECODERS = {
     "self": {
         "method": "ngram",
         "extra_methods": [
-            "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle", "kangaroo",
+            "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle", "eagle3",
+            "kangaroo",
         ],  # fmt: skip
         "draft": {"model": "self", "quantization": "int8"},
         "layerskip": {"skip_attention": [1], "skip_mlp": [2]},
@@ -73,11 +76,12 @@ DECODERS = {
     },
     "separate": {
         "method": "draft",
-        "extra_methods": ["hierarchical", "eagle"],
+        "extra_methods": ["hierarchical", "eagle", "eagle3"],
         "draft": {"model": "separate", "quantization": "none"},
         "hierarchical": {"level1": "draft_truncated", "level1_num_layers": 1, "tau2": 10.0},
         "window": {"policy": "entropy", "tau": 3.0},
         "eagle": {"tree_top_k": 2},
+        "eagle3": {"tree_top_k": 2},
     },
 }
 CASES = {
@@ -88,9 +92,11 @@ CASES = {
     "medusa-tree": ("self", "medusa"),
     "hydra-tree": ("self", "hydra"),
     "eagle": ("self", "eagle"),
+    "eagle3": ("self", "eagle3"),
     "kangaroo": ("self", "kangaroo"),
     "draft-separate": ("separate", "draft"),
     "eagle-tree": ("separate", "eagle"),
+    "eagle3-tree": ("separate", "eagle3"),
     "hierarchical-draft_truncated": ("separate", "hierarchical"),
 }
 
@@ -113,6 +119,7 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
         for kind in ("medusa", "hydra")
     }
     trained["eagle"] = save_eagle_drafter(target_dir, tmp_path_factory.mktemp("eagle") / "d")
+    trained["eagle3"] = save_eagle3_drafter(target_dir, tmp_path_factory.mktemp("eagle3") / "d")
     trained["kangaroo"] = save_kangaroo_drafter(target_dir, tmp_path_factory.mktemp("kg") / "d")
     built = {}
     for name, spec in DECODERS.items():
@@ -229,7 +236,7 @@ def run_case(engines, exact, case, params_name, requests, monkeypatch) -> None:
     assert drafts >= DRAWS and 0 < accepted < draft_tokens
     # A model drafter samples its drafts and hands q to the rejection sampler; prompt lookup's,
     # the trained heads' and EAGLE-2 trees' drafts are deterministic (q one-hot, passed as None).
-    deterministic = case in ("ngram", "medusa-tree", "hydra-tree", "eagle-tree")
+    deterministic = case in ("ngram", "medusa-tree", "hydra-tree", "eagle-tree", "eagle3-tree")
     assert num_with_q == (0 if deterministic else drafts)
 
 

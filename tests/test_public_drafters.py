@@ -226,3 +226,130 @@ def test_eagle1_refusals(tiny_model_dir, llm, tmp_path):
     with pytest.raises(ValueError, match=rf"tensor fc.weight has shape \[{d}, {3 * d}\], this "
                                          rf"model needs \[{d}, {2 * d}\]"):  # fmt: skip
         load_drafter(str(tmp_path / "bad"), "eagle", EagleNetwork, model)
+
+
+# ---- EAGLE-3 ---------------------------------------------------------------------------------
+def _eagle3_drafts(model_dir, drafter_dir) -> tuple:
+    decoder = {"method": "eagle3", "draft_policy": "fixed", "num_speculative_tokens": 3,
+               "eagle3": {"drafter": str(drafter_dir), "quantization": "none"}}  # fmt: skip
+    llm = LLM(model=str(model_dir), decoder=decoder)
+    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    stats = llm.engine.speculator.stats_by_decoder["eagle3"]
+    return outputs, stats.num_draft_tokens, list(stats.accepted_per_position)
+
+
+@pytest.fixture
+def eagle3_ours(tiny_model_dir, tmp_path):
+    from tests.tiny_models import save_eagle3_drafter
+
+    # A draft vocabulary out of token order (ours is by frequency; the layout's by token id).
+    vocab = torch.tensor([40, 3, 17, 5, 6, 7, 8, 9, 23, 11, 12, 13, 14, 41, 42, 43, 44, 45])
+    return save_eagle3_drafter(tiny_model_dir, tmp_path / "ours", draft_vocab=vocab, seed=3)
+
+
+def test_an_eagle3_drafter_round_trips_to_identical_drafts(tiny_model_dir, llm, eagle3_ours,
+                                                          tmp_path):  # fmt: skip
+    from safetensors.torch import load_file
+
+    from engine.decoders.eagle3 import Eagle3Network
+
+    model = llm.engine.model
+    mine = load_drafter(str(eagle3_ours), "eagle3", Eagle3Network, model)
+    export(mine, model, "eagle3", tmp_path / "eagle3")
+    assert find_layout(tmp_path / "eagle3").name == "eagle3"
+    config = json.loads((tmp_path / "eagle3" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 18
+    # Ours fuses the outputs of layers 0, 1, 2: the inputs of layers 1, 2, 3 in its terms.
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    state = load_file(str(tmp_path / "eagle3" / "model.safetensors"))
+    ordered = mine.draft_vocab.sort().values
+    assert torch.equal(torch.arange(18) + state["d2t"], ordered)  # draft id i -> i + d2t[i]
+    assert torch.equal(state["t2d"].nonzero().flatten(), ordered)
+    assert state["t2d"].dtype == torch.bool and len(state["t2d"]) == model.arch.vocab_size
+    back = load_drafter(str(tmp_path / "eagle3"), "eagle3", Eagle3Network, model)
+    assert torch.equal(back.draft_vocab, ordered)
+    assert back.network.shape == mine.network.shape
+    assert _eagle3_drafts(tiny_model_dir, tmp_path / "eagle3") == _eagle3_drafts(
+        tiny_model_dir, eagle3_ours
+    )
+
+
+def test_eagle3_q_and_k_are_written_in_the_rotate_half_layout(llm, eagle3_ours, tmp_path):
+    """Checkpoints keep Llama's rotate-half rows; the engine, adjacent pairs. The attention
+    scores of the written rows under transformers' rotate-half rope must be ours."""
+    from safetensors.torch import load_file
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from engine.decoders.eagle3 import Eagle3Network
+
+    model = llm.engine.model
+    arch = model.arch
+    mine = load_drafter(str(eagle3_ours), "eagle3", Eagle3Network, model)
+    export(mine, model, "eagle3", tmp_path / "out")
+    state = load_file(str(tmp_path / "out" / "model.safetensors"))
+    torch.manual_seed(0)
+    x = torch.randn(6, 2 * arch.hidden_size)
+    factors = model.rope.lookup(torch.arange(6))  # complex [T, 1, D/2]
+    with torch.no_grad():
+        q, k, _ = mine.network.attention_inputs(x, factors)
+        groups = arch.num_heads // arch.num_kv_heads
+        ours = torch.einsum("thd,shd->hts", q, k.repeat_interleave(groups, 1))
+        cos = torch.cat([factors.real, factors.real], -1)[:, 0][None]  # [1, T, D]
+        sin = torch.cat([factors.imag, factors.imag], -1)[:, 0][None]
+        hq = (x @ state["midlayer.self_attn.q_proj.weight"].T).view(1, 6, arch.num_heads, -1)
+        hk = (x @ state["midlayer.self_attn.k_proj.weight"].T).view(1, 6, arch.num_kv_heads, -1)
+        hq, hk = apply_rotary_pos_emb(hq.transpose(1, 2), hk.transpose(1, 2), cos, sin)
+        hk = hk.repeat_interleave(groups, 1)
+        theirs = torch.einsum("htd,hsd->hts", hq[0], hk[0])
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_eagle3_refusals(tiny_model_dir, llm, eagle3_ours, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.decoders.eagle3 import Eagle3Network
+
+    model = llm.engine.model
+    d = model.arch.hidden_size
+    mine = load_drafter(str(eagle3_ours), "eagle3", Eagle3Network, model)
+
+    def broken(name: str, change) -> str:
+        directory = tmp_path / name
+        export(mine, model, "eagle3", directory)
+        state = load_file(str(directory / "model.safetensors"))
+        config = json.loads((directory / "config.json").read_text())
+        change(state, config)
+        save_file(state, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text(json.dumps(config))
+        return str(directory)
+
+    def wide_q(state, _):
+        state["midlayer.self_attn.q_proj.weight"] = torch.zeros(d, d)
+
+    wanted = rf"q_proj.weight has shape \[{d}, {d}\], this model needs \[{d}, {2 * d}\]"
+    with pytest.raises(ValueError, match=wanted):
+        load_drafter(broken("q", wide_q), "eagle3", Eagle3Network, model)
+
+    def deep(_, config):
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 16, 29]
+
+    with pytest.raises(ValueError, match=r"inputs of layers \[2, 16, 29\]; this model has 3"):
+        load_drafter(broken("deep", deep), "eagle3", Eagle3Network, model)
+
+    def clashing(state, _):
+        state["t2d"] = torch.zeros_like(state["t2d"])
+        state["t2d"][:18] = True
+
+    with pytest.raises(ValueError, match="t2d and d2t name different draft vocabularies"):
+        load_drafter(broken("maps", clashing), "eagle3", Eagle3Network, model)
+
+    def no_map(state, _):
+        del state["d2t"]
+
+    with pytest.raises(ValueError, match="a head over 18 tokens needs d2t"):
+        load_drafter(broken("nomap", no_map), "eagle3", Eagle3Network, model)
+    with pytest.raises(ValueError, match="holds a eagle3 drafter"):
+        from engine.decoders.eagle import EagleNetwork
+
+        load_drafter(broken("kind", lambda s, c: None), "eagle", EagleNetwork, model)

@@ -117,6 +117,36 @@ def save_eagle_drafter(
     return path
 
 
+def save_eagle3_drafter(
+    model_dir: Path, path: Path, seed: int = 0, draft_vocab=None, feature_layers=(0, 1, 2)
+) -> Path:
+    """An EAGLE-3 drafter for the tiny model: random weights (PyTorch's initialisation, the
+    norms and head perturbed so every piece matters), fusing ``feature_layers``; the whole
+    vocabulary as draft vocabulary unless given."""
+    import json
+
+    from engine.decoders.drafter_files import TrainedDrafter
+    from engine.decoders.eagle3 import Eagle3Network
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    vocabulary = torch.arange(vocab) if draft_vocab is None else draft_vocab
+    torch.manual_seed(seed)
+    network = Eagle3Network(
+        hidden, heads, kv_heads, hidden // heads, config["intermediate_size"],
+        config["rms_norm_eps"], len(vocabulary), list(feature_layers),
+    )  # fmt: skip
+    with torch.no_grad():
+        for norm in (network.embed_norm, network.hidden_norm, network.norm):
+            norm.add_(0.1 * torch.randn_like(norm))
+        network.lm_head.weight.mul_(8.0)  # logits with a spread, like a trained head's
+    target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
+    accuracies = [[0.5, 0.2], [0.4, 0.2]]
+    TrainedDrafter("eagle3", network, vocabulary, accuracies, target, {"test": True}).save(path)
+    return path
+
+
 def save_kangaroo_drafter(
     model_dir: Path, path: Path, exit_layer: int = 1, seed: int = 0, draft_vocab=None
 ) -> Path:

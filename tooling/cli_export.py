@@ -26,7 +26,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
-        help="write a drafter in a public layout (vLLM's Medusa, FasterDecoding's Medusa-2)",
+        help="write a drafter in a public layout (vLLM's Medusa, Medusa-2, EAGLE-1, EAGLE-3)",
         description="Read a drafter (a `specserve train` directory, a public layout, or the "
         "one shipped for the model when --drafter is not given) and write it in --layout.",
     )
@@ -34,6 +34,6 @@ def add_export_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="the drafter's target (default: the embedded model)")
     p.add_argument("--drafter", help="drafter directory (default: the one shipped)")
     # Checked when it runs (the layouts' table imports torch; --help stays instant).
-    p.add_argument("--layout", required=True, help="medusa-vllm or medusa-v2")
+    p.add_argument("--layout", required=True, help="medusa-vllm, medusa-v2, eagle1 or eagle3")
     p.add_argument("--output", required=True, help="directory to write")
     p.set_defaults(func=_cmd_export)

@@ -60,6 +60,17 @@ def _cmd_train_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train_eagle3(args: argparse.Namespace) -> int:
+    from tooling.training.train_eagle3 import Eagle3TrainOptions, run_train_eagle3
+
+    if args.depth < 1:
+        raise ValueError("--depth must be >= 1")
+    layers = tuple(args.feature_layers) if args.feature_layers else None
+    options = Eagle3TrainOptions(depth=args.depth, feature_layers=layers, **_common_options(args))
+    run_train_eagle3(_training_llm(args), options)
+    return 0
+
+
 def _cmd_train_kangaroo(args: argparse.Namespace) -> int:
     from tooling.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
 
@@ -164,10 +175,12 @@ def _add_data_parser(which) -> None:
 def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
     from tooling.training.train_eagle import evaluate_eagle, print_accuracies
+    from tooling.training.train_eagle3 import evaluate_eagle3
 
     model = {"model": args.model} if args.model else {}
     llm = LLM(**model, decoder={"load_shipped_drafters": False})
-    accuracies = evaluate_eagle(llm, args.drafter, Path(args.data), args.depth)
+    evaluate = evaluate_eagle3 if args.kind == "eagle3" else evaluate_eagle
+    accuracies = evaluate(llm, args.drafter, Path(args.data), args.depth)
     print_accuracies(accuracies)
     return 0
 
@@ -177,6 +190,7 @@ def _add_evaluate_parser(which) -> None:
         "evaluate",
         help="held-out accuracy of an EAGLE drafter on a data set's held-out conversations",
     )
+    p.add_argument("--kind", choices=("eagle", "eagle3"), default="eagle")
     p.add_argument("--data", required=True, help="a `specserve train data` directory")
     p.add_argument("--drafter", help="drafter directory (default: the one shipped)")
     p.add_argument("--model", help="the target (default: the embedded model)")
@@ -198,6 +212,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
         "medusa": lambda: _add_heads_parser(which, "medusa", descriptions["medusa"]),
         "hydra": lambda: _add_heads_parser(which, "hydra", descriptions["hydra"]),
         "eagle": lambda: _add_eagle_parser(which),
+        "eagle3": lambda: _add_eagle3_parser(which),
         "kangaroo": lambda: _add_kangaroo_parser(which),
     }
     # One trainer per trained decoder in the registry: a trained decoder without one is a
@@ -253,6 +268,32 @@ def _add_eagle_parser(which) -> None:
     )
     p.add_argument("--epochs", type=int, default=3)
     p.set_defaults(func=_cmd_train_eagle)
+
+
+def _add_eagle3_parser(which) -> None:
+    p = which.add_parser(
+        "eagle3",
+        help="train an EAGLE-3 drafter (fused low, middle and high layers, its own head)",
+        description=(
+            "Self-distillation as for eagle; one teacher-forced pass keeps the outputs of a "
+            "low, a middle and a high layer of the model, which the drafter fuses; it learns "
+            "the model's next-token distribution over a draft vocabulary through its own head, "
+            "unrolled --depth steps on its own guesses. Checkpoints every epoch (--resume), "
+            "held-out accuracy per depth, and a directory that `--decoder eagle3 --drafter DIR` "
+            "loads and `specserve export eagle3 --layout eagle3` writes for vLLM and SGLang."
+        ),
+    )
+    _add_common_arguments(p)
+    p.add_argument("--depth", type=int, default=3, help="draft steps it is trained to unroll")
+    p.add_argument(
+        "--feature-layers",
+        type=int,
+        nargs=3,
+        metavar="LAYER",
+        help="the three layers (0-based) whose outputs it fuses (default: 1, L/2 - 1, L - 4)",
+    )
+    p.add_argument("--epochs", type=int, default=3)
+    p.set_defaults(func=_cmd_train_eagle3)
 
 
 def _add_heads_parser(which, kind: str, what: str) -> None:

@@ -64,6 +64,11 @@ class Decoder:
     # each sequence's.
     reads_target_hidden = False
 
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The target layers (0-based, of ``num_layers``) whose outputs
+        ``observe_target_features`` gets, side by side in this order: the last by default."""
+        return (num_layers - 1,)
+
     def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
         """How many draft slots each of ``seqs`` (each in decode state: one uncomputed token)
         asks for, at most ``max_drafts[seq]`` (the request's or the configured k, cut to the
@@ -81,7 +86,8 @@ class Decoder:
     def observe_target_features(
         self, seq: Sequence, first_position: int, features: torch.Tensor
     ) -> None:
-        """The target's last-layer hidden states (before the final norm), [m, d], of the tokens
+        """The target's hidden states (before the final norm), [m, d] a layer of
+        ``feature_layers``, of the tokens
         at positions ``first_position`` .. + m - 1 that this step computed and that stand (a
         prefill chunk; a decode token and its accepted drafts). The last row of a step that
         gave ``seq`` tokens is the position whose logits gave its newest token. Called after

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from engine.attention import SequenceSlice, build_attention_metadata
-from engine.decoders.base import Proposal, TargetContext
+from engine.decoders.base import Proposal
 from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
@@ -44,6 +44,7 @@ from engine.models.llama import DecoderLayer, ModelArchitecture, rms_norm_rows
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
+    from engine.decoders.base import TargetContext
     from engine.sequence import Sequence
 
 
@@ -97,6 +98,11 @@ class EagleNetwork(nn.Module):
     def inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """x = fc([embedding of the token; feature of the position before])."""
         return self.fc(torch.cat([embeddings, features], dim=-1))
+
+    def entry(self, embeddings: torch.Tensor, features: torch.Tensor):
+        """(the attention's input, the residual): both ``inputs`` here (EAGLE-3's differ)."""
+        x = self.inputs(embeddings, features)
+        return x, x
 
     def attention_inputs(self, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
         """x [N, d] -> rotated q [N, H, D], rotated k and v [N, KV, D]."""
@@ -175,14 +181,8 @@ class EagleDrafter(ModelDrafter):
                  window, quantization: str = "int8"):  # fmt: skip
         super().__init__(None, target.eos_token_ids, window, shares_target_cache=False)
         self.model = target.model
-        self.device = torch.device(target.device)
-        arch = self.model.arch
-        shape = network.shape
-        if (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]) != (
-            arch.num_heads, arch.num_kv_heads, arch.head_dim
-        ):  # fmt: skip
-            raise ValueError(f"eagle drafter's attention {shape} does not match the target's")
-        dtype = self.model.dtype
+        self.attach(network, draft_vocab, target)
+        arch, dtype = self.model.arch, self.model.dtype
 
         def projection(linear: nn.Linear) -> nn.Module:
             return drafter_projection(linear.weight, linear.bias, quantization, self.model)
@@ -203,12 +203,23 @@ class EagleDrafter(ModelDrafter):
         # The layer in one C++ call where the target's stack runs (int8 projections in the
         # kernels' layout): driving it from Python cost about as much as its products.
         self.stack = DecoderStack([self.layer]) if DecoderStack.usable([self.layer]) else None
-        self.set_draft_vocabulary(draft_vocab.to(self.device), arch.vocab_size)
         self.readout = build_readout(self.model, self.draft_vocab)  # rows in the same order
+
+    def attach(self, network: nn.Module, draft_vocab: torch.Tensor, target: TargetContext):
+        """What every EAGLE drafter keeps of the target: its device, the draft vocabulary, a
+        one-layer cache over its blocks, and a feature log per sequence."""
+        self.device = torch.device(target.device)
+        arch = self.model.arch
+        shape = network.shape
+        if (shape["num_heads"], shape["num_kv_heads"], shape["head_dim"]) != (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim
+        ):  # fmt: skip
+            raise ValueError(f"eagle drafter's attention {shape} does not match the target's")
+        self.set_draft_vocabulary(draft_vocab.to(self.device), arch.vocab_size)
         cache = target.kv_cache
         self.kv_cache = KVCache(
-            1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim, dtype,
-            self.device,
+            1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim,
+            self.model.dtype, self.device,
         )  # fmt: skip
         self._logs: weakref.WeakKeyDictionary[Sequence, _FeatureLog] = weakref.WeakKeyDictionary()
 
@@ -265,14 +276,8 @@ class EagleDrafter(ModelDrafter):
         positions_t = torch.tensor(positions, device=self.device)
         embeddings = self.model.embed(torch.tensor(ids, device=self.device))
         features = features[0] if len(features) == 1 else torch.cat(features)
-        x = self.fc(torch.cat([embeddings, features.to(self.device)], dim=-1))
         rope = self.model.rope.lookup(positions_t)
-        ran = False
-        if self.stack is not None:
-            no_skips = frozenset()
-            ran, _ = self.stack.run(x, rope, self.kv_cache.layers, attn, None, None, no_skips,
-                                    no_skips)  # fmt: skip
-        hidden = x if ran else self.layer(x, rope, self.kv_cache.layers[0], attn)
+        hidden = self._run_layer(embeddings, features.to(self.device), rope, attn)
         row = 0
         for s, piece in zip(seqs, slices, strict=True):
             state, log = self._states[s], self._logs[s]
@@ -282,6 +287,23 @@ class EagleDrafter(ModelDrafter):
             row += piece.num_new
         wanted = hidden[torch.tensor(rows, device=self.device)]
         return self.readout(wanted).float() if compact else self.read_out(wanted)
+
+    def entry(self, embeddings: torch.Tensor, features: torch.Tensor):
+        """(the attention's input, the residual) of entries reading these tokens' embeddings
+        and the features before them: both ``fc([embedding; feature])`` here."""
+        x = self.fc(torch.cat([embeddings, features], dim=-1))
+        return x, x
+
+    def _run_layer(self, embeddings, features, rope, attn) -> torch.Tensor:
+        """The layer over new entries on the paged cache; returns their outputs."""
+        x, _ = self.entry(embeddings, features)
+        if self.stack is not None:
+            no_skips = frozenset()
+            ran, _ = self.stack.run(x, rope, self.kv_cache.layers, attn, None, None, no_skips,
+                                    no_skips)  # fmt: skip
+            if ran:
+                return x
+        return self.layer(x, rope, self.kv_cache.layers[0], attn)
 
     def read_out(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (-inf outside the draft vocabulary) of drafter
@@ -314,8 +336,9 @@ class EagleDecoder(ModelDraftDecoder):
 
     reads_target_hidden = True
 
-    def __init__(self, drafter: EagleDrafter, tree_top_k: int = 0, tree_depth: int = 4):
-        super().__init__("eagle", drafter)
+    def __init__(self, drafter: EagleDrafter, tree_top_k: int = 0, tree_depth: int = 4,
+                 name: str = "eagle"):  # fmt: skip
+        super().__init__(name, drafter)
         self.tree_top_k = tree_top_k
         self.tree_depth = tree_depth
 

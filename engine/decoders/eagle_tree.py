@@ -52,7 +52,7 @@ class TreeDrafter(Protocol):
     device: torch.device
     eos_token_ids: Collection[int]
 
-    def fc(self, x: torch.Tensor) -> torch.Tensor: ...
+    def entry(self, embeddings: torch.Tensor, features: torch.Tensor) -> tuple: ...
     def begin_round(self, seq: Sequence) -> None: ...
     def forward(self, seqs: list, drafts: dict, fresh: dict) -> torch.Tensor: ...
     def root_guess(self, seq: Sequence) -> torch.Tensor: ...
@@ -190,7 +190,7 @@ def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]
     positions = torch.tensor(
         [r.decode_position + r.nodes[i].depth for r, i in entries], device=device
     )
-    x = drafter.fc(torch.cat([model.embed(tokens), features], dim=-1))
+    x, residual = drafter.entry(model.embed(tokens), features)
     q, k, v = layer.attention_inputs(x, model.rope.lookup(positions))
     attended, row = [], 0
     for r, ps in zip(rounds, parents, strict=True):
@@ -203,7 +203,7 @@ def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]
             r.tree_owner.append(i)
         attended.append(_attend(q[rows], r, ps))
         row += len(ps)
-    hidden = layer.finish(x, torch.cat(attended))
+    hidden = layer.finish(residual, torch.cat(attended))
     for (r, i), guess in zip(entries, hidden, strict=True):
         r.nodes[i].guess = guess
     return drafter.read_out(hidden)

@@ -33,54 +33,22 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.decoders.drafter_files import CONFIG_FILE, TrainedDrafter, target_signature
-
-TOP_K = 4
-ACCURACIES_KEY = "specserve_accuracies"  # an extra config key: held-out accuracies, if ours
-
-
-def prior_accuracies(num_heads: int) -> list[list[float]]:
-    return [[0.6 * 0.6**h * 0.5**i for i in range(TOP_K)] for h in range(num_heads)]
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One public layout: ``matches(directory)``, ``load(directory, model, network_class)``
-    -> our drafter (the decoder names its network class), ``save(drafter, model, directory)``."""
-
-    name: str
-    kind: str  # the decoder it drafts for
-    matches: Callable[[Path], bool]
-    load: Callable[[Path, object, type], TrainedDrafter]
-    save: Callable[[TrainedDrafter, object, Path], None] | None
-
-
-def _config(directory: Path) -> dict:
-    path = directory / CONFIG_FILE
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    return {k.removeprefix("medusa_head."): v for k, v in state.items()}
-
-
-def _expect(name: str, tensor: torch.Tensor, shape: tuple, source: Path) -> None:
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(
-            f"{source}: tensor {name} has shape {list(tensor.shape)}, this model needs "
-            f"{list(shape)}"
-        )
+from engine.decoders.eagle3_layout import EAGLE3_LAYOUT
+from engine.decoders.layout_files import (
+    ACCURACIES_KEY,
+    Layout,
+    config_of,
+    expect_shape,
+    has_key,
+    prior_accuracies,
+    tensors_of,
+)
+from engine.models.rope import deinterleave_rope_rows, interleave_rope_rows
 
 
 def _target_rows(model, rows: torch.Tensor) -> torch.Tensor:
@@ -95,8 +63,8 @@ def _heads_from_blocks(heads_class, weights: list, biases: list, source: Path, m
     d = model.arch.hidden_size
     heads = heads_class(len(weights), d)
     for i, (w, b) in enumerate(zip(weights, biases, strict=True)):
-        _expect(names[i][0], w, (d, d), source)
-        _expect(names[i][1], b, (d,), source)
+        expect_shape(names[i][0], w, (d, d), source)
+        expect_shape(names[i][1], b, (d,), source)
         heads.weight.data[i] = w.float()
         heads.bias.data[i] = b.float()
     return heads
@@ -127,7 +95,7 @@ def _check_readout(lm_heads: dict, vocab: torch.Tensor, model, source: Path) -> 
     d = model.arch.hidden_size
     target = _target_rows(model, vocab)
     for name, weight in lm_heads.items():
-        _expect(name, weight, (len(vocab), d), source)
+        expect_shape(name, weight, (len(vocab), d), source)
         if not torch.allclose(weight.float(), target, rtol=1e-2, atol=1e-3):
             raise ValueError(
                 f"{source}: {name} is a trained LM head of its own; specserve's Medusa heads "
@@ -139,7 +107,7 @@ def _check_readout(lm_heads: dict, vocab: torch.Tensor, model, source: Path) -> 
 def _drafter(heads, vocab, model, layout: str, source: Path) -> TrainedDrafter:
     # Ours, written out, keeps its held-out accuracies in an extra config key, so a round
     # trip ranks its tree the same.
-    accuracies = _config(source).get(ACCURACIES_KEY)
+    accuracies = config_of(source).get(ACCURACIES_KEY)
     info = {"loaded_from": str(source), "layout": layout,
             "accuracies": "held-out, as written" if accuracies else "prior: none in the files"}
     accuracies = accuracies or prior_accuracies(heads.num_heads)
@@ -153,7 +121,7 @@ VLLM_BLOCK = r"blocks\.(\d+)\.layers\.(\d+)\.weight"
 
 
 def _is_vllm_medusa(directory: Path) -> bool:
-    config = _config(directory)
+    config = config_of(directory)
     return (directory / VLLM_FILE).is_file() and (
         config.get("model_type") == "medusa" or "MedusaModel" in config.get("architectures", [])
     )
@@ -161,8 +129,8 @@ def _is_vllm_medusa(directory: Path) -> bool:
 
 def _load_vllm_medusa(directory: Path, model, heads_class) -> TrainedDrafter:
     source = directory / VLLM_FILE
-    config = _config(directory)
-    tensors = {k.removeprefix("medusa_heads."): v for k, v in _tensors(source).items()}
+    config = config_of(directory)
+    tensors = {k.removeprefix("medusa_heads."): v for k, v in tensors_of(source).items()}
     count = _one_block_per_head(config, tensors, VLLM_BLOCK, source)
     names = [(f"blocks.{i}.layers.0.weight", f"blocks.{i}.layers.0.bias") for i in range(count)]
     if not config.get("medusa_fc_bias", False):  # vLLM's default: blocks without a bias
@@ -215,7 +183,7 @@ FD_BLOCK = r"(\d+)\.(\d+)\.linear\.weight"
 def _load_faster_decoding(directory: Path, model, heads_class) -> TrainedDrafter:
     v2 = (directory / V2_FILE).is_file()
     source = directory / (V2_FILE if v2 else V1_FILE)
-    config, tensors = _config(directory), _tensors(source)
+    config, tensors = config_of(directory), tensors_of(source)
     count = _one_block_per_head(config, tensors, FD_BLOCK, source)
     names = [(f"{i}.0.linear.weight", f"{i}.0.linear.bias") for i in range(count)]
     heads = _heads_from_blocks(heads_class, [tensors[w] for w, _ in names],
@@ -262,23 +230,16 @@ def _eagle_file(directory: Path) -> Path | None:
 
 
 def _is_eagle1(directory: Path) -> bool:
-    config = _config(directory)
+    config = config_of(directory)
     path = _eagle_file(directory)
     if path is None or config.get("num_hidden_layers") != 1 or "draft_vocab_size" in config:
         return False
-    return "fc.weight" in _tensors(path) if path.suffix == ".bin" else _has_key(path, "fc.weight")
-
-
-def _has_key(path: Path, key: str) -> bool:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        return key in f.keys()
+    return "fc.weight" in tensors_of(path) if path.suffix == ".bin" else has_key(path, "fc.weight")
 
 
 def _load_eagle1(directory: Path, model, network_class) -> TrainedDrafter:
     source = _eagle_file(directory)
-    config, tensors = _config(directory), _tensors(source)
+    config, tensors = config_of(directory), tensors_of(source)
     arch = model.arch
     d = arch.hidden_size
     q_rows, kv_rows = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -299,7 +260,7 @@ def _load_eagle1(directory: Path, model, network_class) -> TrainedDrafter:
     for name, shape in wanted.items():
         if name not in tensors:
             raise ValueError(f"{source}: missing tensor {name}")
-        _expect(name, tensors[name], shape, source)
+        expect_shape(name, tensors[name], shape, source)
     has_norm = "layers.0.input_layernorm.weight" in tensors
     network = network_class(d, arch.num_heads, arch.num_kv_heads, arch.head_dim, inter,
                             arch.rms_norm_eps, input_norm=has_norm)  # fmt: skip
@@ -307,16 +268,19 @@ def _load_eagle1(directory: Path, model, network_class) -> TrainedDrafter:
         network.fc.weight.copy_(tensors["fc.weight"].float())
         bias = tensors.get("fc.bias")
         network.fc.bias.copy_(torch.zeros(d) if bias is None else bias.float())
-        network.qkv.weight.copy_(torch.cat([tensors[EAGLE_PROJECTIONS[x]] for x in "qkv"]).float())
+        # Checkpoints keep q/k rows in the rotate-half layout, the engine in adjacent pairs.
+        q = interleave_rope_rows(tensors[EAGLE_PROJECTIONS["q"]].float(), arch.num_heads)
+        k = interleave_rope_rows(tensors[EAGLE_PROJECTIONS["k"]].float(), arch.num_kv_heads)
+        network.qkv.weight.copy_(torch.cat([q, k, tensors[EAGLE_PROJECTIONS["v"]].float()]))
         network.o.weight.copy_(tensors[EAGLE_PROJECTIONS["o"]].float())
         gate_up = [tensors[EAGLE_PROJECTIONS[x]] for x in ("gate", "up")]
         network.gate_up.weight.copy_(torch.cat(gate_up).float())
         network.down.weight.copy_(tensors[EAGLE_PROJECTIONS["down"]].float())
         network.post_attention_norm.copy_(tensors["layers.0.post_attention_layernorm.weight"])
         if has_norm:
-            _expect("layers.0.input_layernorm.weight", tensors["layers.0.input_layernorm.weight"],
-                    (d,), source)  # fmt: skip
-            network.input_norm.copy_(tensors["layers.0.input_layernorm.weight"])
+            norm = tensors["layers.0.input_layernorm.weight"]
+            expect_shape("layers.0.input_layernorm.weight", norm, (d,), source)
+            network.input_norm.copy_(norm)
     vocab = torch.tensor(config.get(EAGLE_VOCAB_KEY) or range(arch.vocab_size))
     accuracies = config.get(ACCURACIES_KEY) or [[0.6 * 0.8**s] for s in range(4)]
     info = {"loaded_from": str(directory), "layout": "eagle1"}
@@ -344,7 +308,9 @@ def _save_eagle1(drafter: TrainedDrafter, model, directory: Path) -> None:
     tensors = {
         "fc.weight": network.fc.weight.detach().float(),
         "fc.bias": network.fc.bias.detach().float(),
-        EAGLE_PROJECTIONS["q"]: q, EAGLE_PROJECTIONS["k"]: k, EAGLE_PROJECTIONS["v"]: v,
+        EAGLE_PROJECTIONS["q"]: deinterleave_rope_rows(q, arch.num_heads),
+        EAGLE_PROJECTIONS["k"]: deinterleave_rope_rows(k, arch.num_kv_heads),
+        EAGLE_PROJECTIONS["v"]: v,
         EAGLE_PROJECTIONS["o"]: network.o.weight.detach().float(),
         EAGLE_PROJECTIONS["gate"]: gate, EAGLE_PROJECTIONS["up"]: up,
         EAGLE_PROJECTIONS["down"]: network.down.weight.detach().float(),
@@ -376,13 +342,14 @@ LAYOUTS = {
         Layout("medusa-v1", "medusa", lambda d: (d / V1_FILE).is_file(), _load_faster_decoding,
                None),
         Layout("eagle1", "eagle", _is_eagle1, _load_eagle1, _save_eagle1),
+        EAGLE3_LAYOUT,
     )
 }  # fmt: skip
 
 
 def find_layout(directory: Path) -> Layout | None:
     """The public layout ``directory`` is in (None: ours, or none we know)."""
-    config = _config(directory)
+    config = config_of(directory)
     if "type" in config and "shape" in config:
         return None  # a specserve drafter directory
     return next((layout for layout in LAYOUTS.values() if layout.matches(directory)), None)

@@ -284,7 +284,7 @@ class LlamaModel(nn.Module):
         attn: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
         layer_ids: Sequence[int] | None = None,
-        hidden_layer: int | None = None,
+        hidden_layer: int | tuple[int, ...] | None = None,
         skip_attention: frozenset[int] = frozenset(),
         skip_mlp: frozenset[int] = frozenset(),
         compute_logits: bool = True,
@@ -295,13 +295,21 @@ class LlamaModel(nn.Module):
         ``logits_indices`` selects the token rows that need logits (None: all rows).
         ``layer_ids`` runs only a subset of layers (layer skipping); ``hidden_layer`` also
         returns the hidden states after that layer (for early exit and draft heads), for the
-        rows selected by ``logits_indices``. ``skip_attention`` and ``skip_mlp`` name layers
+        rows selected by ``logits_indices``; a tuple of layers returns theirs side by side
+        ([rows, layers * d], EAGLE-3's inputs). ``skip_attention`` and ``skip_mlp`` name layers
         whose attention or MLP sublayer is skipped. ``compute_logits=False`` skips the LM head
         (drafter training reads only hidden states). ``all_hidden`` returns the hidden states
         of every token row instead (a feature-level drafter reads them all).
         """
         hidden = self.embed(input_ids)
         rope = self.rope.lookup(positions)
+        if isinstance(hidden_layer, tuple) and len(hidden_layer) > 1:
+            if layer_ids is not None or skip_attention or skip_mlp:
+                raise ValueError("several captured layers take the whole stack")
+            hidden, captured = self._run_capturing(hidden, rope, kv_caches, attn, hidden_layer)
+            return self._output(hidden, captured, logits_indices, compute_logits, all_hidden)
+        if isinstance(hidden_layer, tuple):
+            hidden_layer = hidden_layer[0]
         ran, captured = False, None
         if self.stack is not None:
             ran, captured = self.stack.run(
@@ -314,6 +322,31 @@ class LlamaModel(nn.Module):
                 )
                 if i == hidden_layer:
                     captured = hidden.clone()  # later layers may update ``hidden`` in place
+        return self._output(hidden, captured, logits_indices, compute_logits, all_hidden)
+
+    def _run_capturing(self, hidden, rope, kv_caches, attn, layers: tuple[int, ...]):
+        """All layers, keeping the output of each of ``layers`` (EAGLE-3 reads a low, a
+        middle and a high one): [N, len(layers) * d], in the order ``layers`` names them.
+        The C++ stack runs the layers between two captures in one call where it applies."""
+        kept: dict[int, torch.Tensor] = {}
+        first, ran = 0, self.stack is not None
+        for last in sorted(set(layers)) + [len(self.layers) - 1]:
+            if first > last:
+                continue
+            segment = range(first, last + 1)
+            if ran:
+                ran, _ = self.stack.run(
+                    hidden, rope, kv_caches, attn, segment, None, frozenset(), frozenset()
+                )
+            if not ran:  # (the stack decides per step shape, so from the first segment on)
+                for i in segment:
+                    hidden = self.layers[i](hidden, rope, kv_caches[i], attn)
+            if last in layers:
+                kept[last] = hidden.clone()  # later layers update ``hidden`` in place
+            first = last + 1
+        return hidden, torch.cat([kept[i] for i in layers], dim=-1)
+
+    def _output(self, hidden, captured, logits_indices, compute_logits, all_hidden):
         if logits_indices is not None:
             hidden = hidden.index_select(0, logits_indices)
             if captured is not None and not all_hidden:

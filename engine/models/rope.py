@@ -47,6 +47,15 @@ def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return halves.transpose(1, 2).reshape(weight.shape)
 
 
+def deinterleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The inverse of ``interleave_rope_rows``: rows back in Llama's rotate-half layout (how
+    checkpoints on disk have them: a drafter's q and k written out for other engines)."""
+    head_dim = weight.shape[0] // num_heads
+    rest = weight.shape[1:]
+    pairs = weight.reshape(num_heads, head_dim // 2, 2, *rest)
+    return pairs.transpose(1, 2).reshape(weight.shape)
+
+
 RopeFactors = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 

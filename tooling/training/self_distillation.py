@@ -117,7 +117,8 @@ def sequence_features(
 ):
     """Per sequence, [len, d] final-normed last-layer hidden states at every position, in
     teacher-forced passes of up to ``batch_tokens`` tokens; with ``layer``, the raw hidden
-    states after that layer instead (only the layers up to it run)."""
+    states after that layer instead (only the layers up to it run), or with a tuple of
+    layers, theirs side by side ([len, layers * d], EAGLE-3's inputs)."""
     arch = model.arch
     block = 16
     out: list[torch.Tensor] = []
@@ -143,7 +144,7 @@ def sequence_features(
             torch.tensor(positions),
             cache.layers,
             meta,
-            layer_ids=None if layer is None else range(layer + 1),
+            layer_ids=None if layer is None or isinstance(layer, tuple) else range(layer + 1),
             hidden_layer=arch.num_layers - 1 if layer is None else layer,
             compute_logits=False,
             all_hidden=True,

@@ -105,8 +105,8 @@ def unrolled_outputs(network: EagleNetwork, rope, embeddings, features, depth: i
         previous = previous + torch.randn_like(previous) * noise * features.detach().std()
     keys, values, outputs = [], [], []
     for s in range(1, depth + 1):
-        x = network.inputs(embeddings, previous).reshape(batch * width, d)
-        q, k, v = network.attention_inputs(x, rope)
+        x, residual = network.entry(embeddings, previous)
+        q, k, v = network.attention_inputs(x.reshape(batch * width, -1), rope)
         q = q.reshape(batch, width, heads, -1)
         k = k.repeat_interleave(groups, dim=1).reshape(batch, width, heads, -1)
         v = v.repeat_interleave(groups, dim=1).reshape(batch, width, heads, -1)
@@ -128,22 +128,27 @@ def unrolled_outputs(network: EagleNetwork, rope, embeddings, features, depth: i
         for i, t in enumerate(range(2, s + 1)):
             w = weights[..., width + i].transpose(1, 2)[..., None]  # [B, T, H, 1]
             attended = attended + w * _shift(values[t - 1], s - t)
-        out = network.finish(x, attended.reshape(batch * width, heads, -1))
+        attended = attended.reshape(batch * width, heads, -1)
+        out = network.finish(residual.reshape(batch * width, d), attended)
         out = out.reshape(batch, width, d)
         outputs.append(out)
         previous = _shift(out)
     return outputs
 
 
-def _losses(outputs, features, readout, answer, regression: bool = True) -> list[torch.Tensor]:
+def _losses(outputs, features, readout, answer, regression: bool = True,
+            head=None) -> list[torch.Tensor]:  # fmt: skip
     """Per depth, its weighted loss over the answer positions it can reach (depth s needs
-    s - 1 earlier positions). Without ``regression``, distillation alone (EAGLE-3's loss)."""
+    s - 1 earlier positions). Without ``regression``, distillation alone (EAGLE-3's loss).
+    The teacher reads the target's final features through ``readout`` (its LM head's rows of
+    the draft vocabulary); the drafter reads out through the same rows, or its own ``head``."""
     teacher = torch.softmax(features @ readout.T, dim=-1)
+    head = head or (lambda out: out @ readout.T)
     results = []
     for s, out in enumerate(outputs, start=1):
         mask = answer.clone()
         mask[:, : s - 1] = False
-        log_q = torch.log_softmax(out[mask] @ readout.T, dim=-1)
+        log_q = torch.log_softmax(head(out[mask]), dim=-1)
         distillation = -(teacher[mask] * log_q).sum(-1).mean()
         if regression:
             loss = (
@@ -157,9 +162,12 @@ def _losses(outputs, features, readout, answer, regression: bool = True) -> list
 
 @torch.no_grad()
 def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, vocab, vocab_size,
-                        depth, top_k, batch=8, inputs_of=None) -> list[list[float]]:  # fmt: skip
+                        depth, top_k, batch=8, inputs_of=None,
+                        head=None) -> list[list[float]]:  # fmt: skip
     """[depth][i]: how often the i-th candidate at each depth is the target's next token.
-    ``inputs_of(index, features)``: what depth 1 reads instead of the target's features."""
+    ``inputs_of(index, features)``: what depth 1 reads instead of the target's features;
+    ``head``: the drafter's own readout instead of ``readout``'s rows."""
+    head = head or (lambda out: out @ readout.T)
     hits = torch.zeros(depth, top_k)
     seen = torch.zeros(depth)
     # Readout row of each token; a token outside the draft vocabulary is a miss (row -2, never
@@ -176,7 +184,7 @@ def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, v
         for s, out in enumerate(outputs, start=1):
             mask = answer.clone()
             mask[:, : s - 1] = False
-            top = (out[mask] @ readout.T).topk(top_k, dim=-1).indices
+            top = head(out[mask]).topk(top_k, dim=-1).indices
             hits[s - 1] += (top == wanted[mask][:, None]).sum(0).float()
             seen[s - 1] += mask.sum()
     return (hits / seen.clamp_min(1)[:, None]).tolist()

@@ -1,0 +1,164 @@
+"""``specserve train eagle3``: EAGLE-3's drafter, by self-distillation.
+
+The data and the training-time test are EAGLE's (``tooling.training.train_eagle``); what
+differs is what the drafter reads and how it reads out:
+
+1. One teacher-forced pass over every conversation keeps the outputs of the three target layers
+   the drafter fuses (``engine.decoders.eagle3.default_feature_layers``), float16 in memory.
+2. Depth 1 reads ``fc`` over them (trained with the rest; it starts as the high layer alone);
+   depth s reads the depth s - 1 output one position earlier, as at inference.
+3. The drafter reads out through its own final norm and head over the draft vocabulary
+   (started from the target's final norm and LM head rows), and learns the target's
+   distribution over the draft vocabulary alone (EAGLE-3's loss: no feature regression, since
+   the layer's output need not be the target's feature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.decoders.drafter_files import TrainedDrafter
+from engine.decoders.eagle3 import Eagle3Network, default_feature_layers
+from tooling.training.data import training_splits
+from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.self_distillation import padded, progress_bar, sequence_features
+from tooling.training.train_eagle import (
+    CURVE_SAMPLE,
+    CURVE_START,
+    EagleTrainOptions,
+    _batch,
+    _first,
+    _losses,
+    held_out_accuracies,
+    print_accuracies,
+    unrolled_outputs,
+)
+from tooling.training.train_heads import draft_vocabulary
+
+
+@dataclass
+class Eagle3TrainOptions(EagleTrainOptions):
+    feature_layers: tuple[int, ...] | None = None  # default: low, middle, high
+
+
+def layer_features(model, sequences: list[list[int]], layers: tuple[int, ...], what: str):
+    """Per sequence, [len, layers * d] float16: the layers' outputs side by side."""
+    with progress_bar(len(sequences), f"{what} layer features") as bar:
+        rows = sequence_features(model, sequences, progress=bar.update, layer=layers)
+    return [r.to(torch.float16) for r in rows]
+
+
+def new_network(model, vocab: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Network:
+    """A drafter whose head starts as the target's (final norm, LM head rows of the draft
+    vocabulary) and whose ``fc`` starts by passing the highest fused layer through."""
+    from engine.models.draft_copies import dense_weight
+
+    arch = model.arch
+    d = arch.hidden_size
+    network = Eagle3Network(
+        d, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.intermediate_size,
+        arch.rms_norm_eps, len(vocab), list(layers),
+    )  # fmt: skip
+    with torch.no_grad():
+        network.lm_head.weight.copy_(dense_weight(model.lm_head)[vocab].float())
+        network.norm.copy_(model.final_norm.float())
+        network.fc.weight.zero_()
+        high = max(range(len(layers)), key=lambda i: layers[i])
+        network.fc.weight[:, high * d : (high + 1) * d] = torch.eye(d)
+    return network
+
+
+def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
+    from engine.models.draft_copies import dense_weight
+
+    run = TrainingRun()
+    torch.manual_seed(options.seed)
+    model = llm.engine.model
+    arch = model.arch
+    layers = tuple(options.feature_layers or default_feature_layers(arch.num_layers))
+    splits = training_splits(llm, options)
+    train, held_out = splits["train"], splits["held_out"]
+    labels = train.answer_labels()
+    vocab = draft_vocabulary(labels, options.draft_vocab_size)
+    covered = torch.isin(labels, vocab).float().mean().item()
+    print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
+    readout = dense_weight(model.lm_head)[vocab].float()  # the teacher's rows
+    inputs = {
+        "train": layer_features(model, train.sequences, layers, "training"),
+        "held_out": layer_features(model, held_out.sequences, layers, "held-out"),
+    }
+
+    def rope_of(shape) -> torch.Tensor:
+        batch, width = shape
+        return model.rope.lookup(torch.arange(width).repeat(batch))
+
+    network = new_network(model, vocab, layers)
+    optimizer = torch.optim.AdamW(network.parameters(), lr=options.learning_rate)
+
+    def fused(split: str, index: list[int]) -> torch.Tensor:
+        return network.fuse(padded([inputs[split][i] for i in index]).float())
+
+    def loss_of(index: list[int]) -> torch.Tensor:
+        embeddings, features, _, answer = _batch(train, index, model.embed)
+        outputs = unrolled_outputs(
+            network, rope_of(features.shape[:2]), embeddings, fused("train", index),
+            options.depth, options.feature_noise,
+        )  # fmt: skip
+        return sum(_losses(outputs, features, readout, answer, False, network.logits))
+
+    sample = _first(held_out, CURVE_SAMPLE)
+    milestone, seen = [CURVE_START], [0]
+
+    def accuracies(split, top_k: int) -> list[list[float]]:
+        return held_out_accuracies(
+            network, rope_of, split, model.embed, readout, vocab, arch.vocab_size,
+            options.depth, top_k, inputs_of=lambda index, _: fused("held_out", index),
+            head=network.logits,
+        )  # fmt: skip
+
+    def after_step(batch: list[int]) -> None:
+        """The learning curve (as EAGLE's): held-out top-1 by depth as answer tokens double."""
+        seen[0] += sum(train.answer_tokens(i) for i in batch)
+        if seen[0] < milestone[0]:
+            return
+        while milestone[0] <= seen[0]:
+            milestone[0] *= 2
+        top1 = [round(row[0], 4) for row in accuracies(sample, 1)]
+        run.learning_curve.append((seen[0], top1))
+        print(f"\nafter {seen[0]:,} answer tokens: held-out top-1 by depth {top1}")
+
+    train_epochs(
+        network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step
+    )
+    result = accuracies(held_out, options.top_k)
+    print_accuracies(result)
+    return write_drafter("eagle3", network, vocab, result, model, options, int(len(labels)), run)
+
+
+def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: int = 4):
+    """``evaluate_eagle`` for an EAGLE-3 drafter (ours, or one in the public layout)."""
+    from pathlib import Path
+
+    from engine.decoders.drafter_loading import load_drafter
+    from engine.models.linear import dense_weight
+    from tooling.training.shards import load_split
+
+    model = llm.engine.model
+    drafter = load_drafter(drafter_dir, "eagle3", Eagle3Network, model)
+    network, vocab = drafter.network.float(), drafter.draft_vocab
+    split = load_split(Path(data) / "held_out")
+    layers = tuple(network.shape["feature_layers"])
+    inputs = layer_features(model, split.sequences, layers, "held-out")
+
+    def rope_of(shape) -> torch.Tensor:
+        batch, width = shape
+        return model.rope.lookup(torch.arange(width).repeat(batch))
+
+    return held_out_accuracies(
+        network, rope_of, split, model.embed, dense_weight(model.lm_head)[vocab].float(), vocab,
+        model.arch.vocab_size, depth, top_k,
+        inputs_of=lambda index, _: network.fuse(padded([inputs[i] for i in index]).float()),
+        head=network.logits,
+    )  # fmt: skip
