@@ -166,3 +166,43 @@ def test_a_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tiny_chat_m
     assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
     assert all(0 <= a <= 1 for row in accuracies for a in row)
     assert sum(accuracies[0]) <= 1  # the top-3 candidates are distinct tokens
+
+
+def test_eagle3s_layer_outputs_are_kept_beside_the_shards_and_read_back(chat_llm, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    from tooling.training import layer_cache
+    from tooling.training.layer_cache import cached_layer_features, layer_directory
+    from tooling.training.self_distillation import sequence_features
+
+    build(chat_llm, tmp_path, _recipe(), budget=1)
+    split = load_split(tmp_path / "train")
+    model, layers = chat_llm.engine.model, (1, 0)
+    first = cached_layer_features(model, tmp_path / "train", layers, len(split.sequences))
+    assert sorted(p.name for p in layer_directory(tmp_path / "train", layers).iterdir()) == [
+        p.name for p in shard_paths(tmp_path / "train")
+    ]
+    for tokens, rows in zip(split.sequences, first, strict=True):
+        (expected,) = sequence_features(model, [tokens], layer=layers)
+        assert rows.dtype == torch.float16
+        torch.testing.assert_close(rows.float(), expected, atol=2e-3, rtol=2e-3)
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the kept layer outputs were computed again")
+
+    monkeypatch.setattr(layer_cache, "sequence_features", no_second_pass)
+    again = cached_layer_features(model, tmp_path / "train", layers, 2)
+    assert len(again) == 2 and all(torch.equal(a, b) for a, b in zip(again, first, strict=False))
+
+
+def test_an_eagle3_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tiny_chat_model_dir,
+                                                                   tmp_path):  # fmt: skip
+    from tests.tiny_models import save_eagle3_drafter
+    from tooling.training.train_eagle3 import evaluate_eagle3
+
+    build(chat_llm, tmp_path / "data", _recipe(), budget=1)
+    layers = (0, 1, 1)  # the chat model has two layers
+    drafter = save_eagle3_drafter(tiny_chat_model_dir, tmp_path / "eagle3", feature_layers=layers)
+    accuracies = evaluate_eagle3(chat_llm, str(drafter), tmp_path / "data", depth=2, top_k=3)
+    assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
+    assert all(0 <= a <= 1 for row in accuracies for a in row)
+    assert sum(accuracies[0]) <= 1

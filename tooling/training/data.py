@@ -21,10 +21,8 @@ def training_splits(llm, options) -> dict[str, FeatureSplit]:
     ``options.data`` (``specserve train data``), up to ``options.data_tokens`` answer tokens of
     training; else the built-in prompts (or ``options.prompts``) answered now and cached in
     the output directory."""
-    if getattr(options, "data", None):
-        root = Path(options.data)
-        if root.is_file():  # a conversations file: answered now, kept in the cache
-            root = _shards_of_file(llm, root, options.data_tokens)
+    root = shard_root(llm, options)  # a conversations file is answered now, kept in the cache
+    if root is not None:
         return {
             "train": load_split(root / "train", options.data_tokens),
             "held_out": load_split(root / "held_out"),
@@ -33,6 +31,14 @@ def training_splits(llm, options) -> dict[str, FeatureSplit]:
         options.num_prompts, options.num_held_out, options.seed
     )
     return cached_features(llm, options, cached_answers(llm, options, prompts))
+
+
+def shard_root(llm, options) -> Path | None:
+    """The shard directory ``training_splits`` reads (None: the built-in prompts)."""
+    if not getattr(options, "data", None):
+        return None
+    root = Path(options.data)
+    return root if root.is_dir() else _shards_of_file(llm, root, options.data_tokens)
 
 
 def _shards_of_file(llm, path: Path, budget: int | None) -> Path:

@@ -16,13 +16,15 @@ differs is what the drafter reads and how it reads out:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.eagle3 import Eagle3Network, default_feature_layers
-from tooling.training.data import training_splits
+from tooling.training.data import shard_root, training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.layer_cache import cached_layer_features
 from tooling.training.self_distillation import padded, progress_bar, sequence_features
 from tooling.training.train_eagle import (
     CURVE_SAMPLE,
@@ -43,9 +45,13 @@ class Eagle3TrainOptions(EagleTrainOptions):
     feature_layers: tuple[int, ...] | None = None  # default: low, middle, high
 
 
-def layer_features(model, sequences: list[list[int]], layers: tuple[int, ...], what: str):
-    """Per sequence, [len, layers * d] float16: the layers' outputs side by side."""
+def layer_features(model, sequences: list[list[int]], layers: tuple[int, ...], what: str,
+                   shards: Path | None = None):  # fmt: skip
+    """Per sequence, [len, layers * d] float16: the layers' outputs side by side; for the
+    split of a shard directory ``shards``, computed once and kept beside its shards."""
     with progress_bar(len(sequences), f"{what} layer features") as bar:
+        if shards is not None:
+            return cached_layer_features(model, shards, layers, len(sequences), bar.update)
         rows = sequence_features(model, sequences, progress=bar.update, layer=layers)
     return [r.to(torch.float16) for r in rows]
 
@@ -85,9 +91,11 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()  # the teacher's rows
+    root = shard_root(llm, options)
     inputs = {
-        "train": layer_features(model, train.sequences, layers, "training"),
-        "held_out": layer_features(model, held_out.sequences, layers, "held-out"),
+        name: layer_features(model, split.sequences, layers, what,
+                             None if root is None else root / name)  # fmt: skip
+        for name, split, what in (("train", train, "training"), ("held_out", held_out, "held-out"))
     }
 
     def rope_of(shape) -> torch.Tensor:
@@ -139,8 +147,6 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
 
 def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: int = 4):
     """``evaluate_eagle`` for an EAGLE-3 drafter (ours, or one in the public layout)."""
-    from pathlib import Path
-
     from engine.decoders.drafter_loading import load_drafter
     from engine.models.linear import dense_weight
     from tooling.training.shards import load_split
@@ -150,7 +156,7 @@ def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: i
     network, vocab = drafter.network.float(), drafter.draft_vocab
     split = load_split(Path(data) / "held_out")
     layers = tuple(network.shape["feature_layers"])
-    inputs = layer_features(model, split.sequences, layers, "held-out")
+    inputs = layer_features(model, split.sequences, layers, "held-out", Path(data) / "held_out")
 
     def rope_of(shape) -> torch.Tensor:
         batch, width = shape

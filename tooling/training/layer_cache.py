@@ -1,0 +1,47 @@
+"""The target's layer outputs an EAGLE-3 drafter fuses, computed once per shard and kept
+beside the shards (``<split>/layers-1-14-26/shard-NNNNN.pt``, float16): the teacher-forced
+pass costs about as much as a training epoch on a CPU, and every later run on the same data
+(another epoch budget, another seed, `train evaluate`) reads it back instead."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from tooling.training.self_distillation import sequence_features
+from tooling.training.shards import load_shard, shard_paths
+
+
+def layer_directory(split: Path, layers: tuple[int, ...]) -> Path:
+    return Path(split) / ("layers-" + "-".join(str(i) for i in layers))
+
+
+def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: int,
+                          progress=None) -> list[torch.Tensor]:  # fmt: skip
+    """Per conversation of the split's first ``count`` (in ``load_split``'s order), [len,
+    layers * d] float16: the layers' outputs side by side. ``progress(n)`` counts
+    conversations, read back or computed."""
+    kept = layer_directory(split, layers)
+    rows: list[torch.Tensor] = []
+    for path in shard_paths(Path(split)):
+        if len(rows) >= count:
+            break
+        cache = kept / path.name
+        if cache.is_file():
+            shard = torch.load(cache, weights_only=True)
+            if progress is not None:
+                progress(len(shard))
+        else:
+            sequences = [c.tokens for c in load_shard(path)]
+            shard = [
+                r.to(torch.float16)
+                for r in sequence_features(model, sequences, progress=progress, layer=layers)
+            ]
+            kept.mkdir(exist_ok=True)
+            partial = cache.with_suffix(".partial")
+            torch.save(shard, partial)
+            os.replace(partial, cache)  # whole or absent: an interrupted run recomputes it
+        rows += shard
+    return rows[:count]
