@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import GenerationConfig
 
 from engine.config import DecoderConfig, EngineConfig
 from engine.constraints import AllConstraints, ConstraintFactory, normalize_phrase
@@ -21,6 +22,8 @@ from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.kv_cache.sizing import kv_cache_blocks
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import LlamaModel
+from engine.models.loader import load_model
+from engine.models.pull import resolve_model
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.prompt_logprobs import prompt_logprobs
 from engine.provenance import PLAIN
@@ -582,7 +585,6 @@ def eos_token_ids_of(model_dir, hf_config) -> set[int]:
     """EOS ids from generation_config.json and config.json (either may list several)."""
     ids: set[int] = set()
     try:
-        from transformers import GenerationConfig
 
         ids |= _as_id_set(GenerationConfig.from_pretrained(model_dir).eos_token_id)
     except OSError:
@@ -599,8 +601,6 @@ def _as_id_set(value) -> set[int]:
 def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):
     """Resolve the configured model (pulling the embedded default if needed), load it and
     build the engine; returns (engine, model_dir)."""
-    from engine.models.loader import load_model
-    from engine.models.pull import resolve_model
 
     # Before loading: autotune runs with these threads. Companions' CPU time (the API server
     # feeding an engine process) is ours, not a neighbour's.

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from copy import copy
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
+
+import jinja2
+import llguidance
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Tokenizer
 
 FORCE_BPE_CLEAN_UP = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
@@ -27,7 +34,6 @@ class FastTokenizer:
     special-token attributes of a transformers fast tokenizer, from its files."""
 
     def __init__(self, model_dir: str | Path):
-        from tokenizers import Tokenizer
 
         model_dir = Path(model_dir)
         self.name_or_path = str(model_dir)
@@ -56,7 +62,6 @@ class FastTokenizer:
     def _add_configured_tokens(self, config: dict) -> None:
         """tokenizer_config.json's added tokens that tokenizer.json lacks (transformers adds
         them to the backend on load, so ids and text agree)."""
-        from tokenizers import AddedToken
 
         known = self.backend_tokenizer.get_added_tokens_decoder()
         for index, token in (config.get("added_tokens_decoder") or {}).items():
@@ -187,7 +192,6 @@ class FastTokenizer:
     @cached_property
     def _vocab_json(self) -> str:
         """tokenizer.json as llguidance reads it: without padding or truncation."""
-        from copy import copy
 
         backend = copy(self.backend_tokenizer)
         backend.no_padding()
@@ -197,7 +201,6 @@ class FastTokenizer:
     def llguidance(self, n_vocab: int, eos_token_ids: list[int]):
         """The llguidance tokenizer of this vocabulary (what llguidance.hf makes from a
         transformers tokenizer, from the same tokenizer.json)."""
-        import llguidance
 
         return llguidance.LLTokenizer(self._vocab_json, n_vocab=n_vocab, eos_token=eos_token_ids)
 
@@ -237,9 +240,6 @@ def _compiled(source: str):
     lstrip_blocks, loop controls, its globals and tojson), cached."""
     if source in _COMPILED:
         return _COMPILED[source]
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
         """transformers' {% generation %} block (it marks assistant tokens for training

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.fast_tokenizer import FastTokenizer
+
 
 def load_tokenizer(model_dir: Path):
     """The checkpoint's tokenizer, or None when the directory has none (test models)."""
@@ -18,7 +20,6 @@ def load_api_tokenizer(model_dir: Path):
     """The tokenizer the API process uses: ``FastTokenizer`` (no transformers, so no torch)
     where the model has a tokenizer.json, else the transformers one (a slow tokenizer)."""
     if (model_dir / "tokenizer.json").is_file():
-        from engine.fast_tokenizer import FastTokenizer
 
         return FastTokenizer(model_dir)
     return load_tokenizer(model_dir)

@@ -14,12 +14,12 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from engine.models.pull import DEFAULT_MODEL, resolve_model
 from server.cli_generate import add_generate_parser
 from server.cli_serve import add_serve_parser
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:
-    from engine.models.pull import DEFAULT_MODEL, resolve_model
 
     if args.cache_dir:
         os.environ["SPECSERVE_CACHE_DIR"] = args.cache_dir

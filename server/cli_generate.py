@@ -84,6 +84,7 @@ def add_model_arguments(p: argparse.ArgumentParser, decoder_choices: bool = True
 
 def engine_config_from_args(args: argparse.Namespace):
     """The engine config a command runs with: the file (or the defaults), then the flags."""
+    # the engine (torch) loads only for a command that runs it: --help stays instant
     from engine.config import EngineConfig
 
     config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
@@ -141,6 +142,7 @@ SAMPLING_FLAGS = (
 
 
 def sampling_params_from_args(args: argparse.Namespace):
+    # as above: only for a command that generates
     from engine.sampling_params import SamplingParams
 
     given = {name: getattr(args, name) for name in SAMPLING_FLAGS}
@@ -148,6 +150,7 @@ def sampling_params_from_args(args: argparse.Namespace):
 
 
 def build_llm(args: argparse.Namespace):
+    # torch and the model: only for a command that generates
     from engine import LLM
 
     return LLM(config=engine_config_from_args(args))

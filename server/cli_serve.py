@@ -22,6 +22,7 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # the web stack: only for `serve` (the other commands never load it)
     import uvicorn
     from sse_starlette.sse import AppStatus
 

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+
+from jinja2 import TemplateError
 
 from engine.constraints.spec import ConstraintSpec
 from engine.decoder_registry import DECODERS
@@ -150,7 +153,6 @@ TEMPLATE_RESERVED = frozenset({"messages", "tools", "documents", "raise_exceptio
 
 
 def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    from jinja2 import TemplateError
 
     flags = body.template_flags()
     options = _template_kwargs(tokenizer, body.chat_template_kwargs or {}, exclude=flags)
@@ -181,7 +183,6 @@ def _template_kwargs(tokenizer, kwargs: dict, exclude) -> dict:
     """chat_template_kwargs become template variables; none may stand in for one of
     apply_chat_template's own parameters (tokenize, the conversation, the template...) but
     those in ``exclude``, which the template call takes from ``template_flags``."""
-    import inspect
 
     kwargs = {k: v for k, v in kwargs.items() if k not in exclude}
     own = set(inspect.signature(tokenizer.apply_chat_template).parameters) | TEMPLATE_RESERVED

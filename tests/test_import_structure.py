@@ -47,3 +47,46 @@ def test_the_api_process_imports_no_torch():
 
 def test_the_check_itself_sees_torch_where_it_is():
     assert _loads_torch("import engine.sampling")
+
+
+def _deferred_imports_without_a_reason(source: str) -> list[int]:
+    """Lines of imports inside functions with no comment saying why: on the line, on the line
+    above, or above the run of imports (blank lines between) it belongs to."""
+    import ast
+
+    lines = source.splitlines()
+    missing = []
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            above = node.lineno - 2  # index of the line above
+            run = ("import ", "from ")
+            while above >= 0 and (not lines[above].strip() or lines[above].strip().startswith(run)):
+                above -= 1
+            said = "#" in lines[node.lineno - 1] or lines[above].lstrip().startswith(("#", "try:"))
+            if not said:
+                missing.append(node.lineno)
+    return sorted(set(missing))
+
+
+def test_every_deferred_import_says_why():
+    """Imports inside functions only where a heavy or optional dependency loads lazily, each
+    with its reason in a line (the rest sit at the top, where cycles and costs show)."""
+    offending = [
+        f"{path.relative_to(REPO)}:{line}"
+        for name, path in modules().items()
+        if name.split(".")[0] in ("engine", "server")
+        for line in _deferred_imports_without_a_reason(path.read_text())
+    ]
+    assert offending == []
+
+
+def test_the_reason_finder_sees_a_bare_deferred_import():
+    source = (
+        "def f():\n    # torch: heavy\n    import torch\n    import json\n\n"
+        "def g():\n    import os\n"
+    )
+    assert _deferred_imports_without_a_reason(source) == [7]

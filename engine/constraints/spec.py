@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from llguidance import LLMatcher
+
 Kind = Literal["json_schema", "json_object", "regex", "choice", "grammar"]
 
 # JSON's whitespace between tokens, bounded: unbounded whitespace lets a model that likes
@@ -27,7 +29,6 @@ class ConstraintSpec:
 
     def grammar(self) -> str:
         """The llguidance grammar string; raises ValueError for a source of the wrong type."""
-        from llguidance import LLMatcher
 
         whitespace = JSON_WHITESPACE if self.whitespace is None else self.whitespace
         options = {"whitespace_pattern": whitespace, "whitespace_flexible": bool(whitespace)}
@@ -57,7 +58,6 @@ class ConstraintSpec:
     def error(self, tokenizer=None) -> str | None:
         """Why the constraint cannot be used (an unsupported schema feature, a bad regex), or
         None; ``tokenizer`` (an LLTokenizer) also checks it against the vocabulary."""
-        from llguidance import LLMatcher
 
         try:
             grammar = self.grammar()

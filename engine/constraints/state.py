@@ -6,6 +6,7 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
+from llguidance import LLMatcher
 
 from engine.constraints.banned import BannedPhrasesState
 from engine.constraints.spec import ConstraintSpec
@@ -113,7 +114,6 @@ class ConstraintFactory(ConstraintVocabulary):
 
     def state(self, spec: ConstraintSpec) -> ConstraintState:
         """A fresh matcher; raises ValueError naming what is wrong with the constraint."""
-        from llguidance import LLMatcher
 
         error = spec.error(self.tokenizer)
         if error:

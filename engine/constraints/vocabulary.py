@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from engine.tokenizer_files import load_tokenizer
+
 
 class ConstraintVocabulary:
     """The llguidance tokenizer (about 0.3 s for a 50k vocabulary), made from the model's
@@ -28,7 +30,6 @@ class ConstraintVocabulary:
 
     @classmethod
     def for_model_dir(cls, model_dir: Path, vocab_size: int, eos_token_ids: Collection[int]):
-        from engine.tokenizer_files import load_tokenizer
 
         return cls(lambda: load_tokenizer(Path(model_dir)), vocab_size, eos_token_ids)
 

@@ -18,6 +18,8 @@ from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.draft_copies import draft_copy
+from engine.models.loader import load_model
+from engine.models.pull import resolve_model
 
 
 def load_draft_model(config: DecoderConfig, target: TargetContext):
@@ -25,8 +27,6 @@ def load_draft_model(config: DecoderConfig, target: TargetContext):
     spec = config.draft
     if spec.model == "self":
         return draft_copy(target.model, spec.quantization, spec.num_layers), True
-    from engine.models.loader import load_model
-    from engine.models.pull import resolve_model
 
     # Its rope table must cover the target's context, even past its own trained length.
     model, _ = load_model(

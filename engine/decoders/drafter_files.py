@@ -19,7 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from engine.models.draft_copies import dense_weight, quantized_dense
+from engine.models.linear import Linear
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "drafter.safetensors"
 SHIPPED_DRAFTERS = Path(__file__).resolve().parent.parent / "drafters"
@@ -39,7 +43,6 @@ class TrainedDrafter:
     info: dict  # how it was trained (command, data, time), for the record
 
     def save(self, directory: str | Path) -> None:
-        from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -61,7 +64,6 @@ class TrainedDrafter:
 
     @classmethod
     def load(cls, directory: str | Path, kind: str, network_class: type) -> TrainedDrafter:
-        from safetensors.torch import load_file
 
         directory = Path(directory)
         config_path = directory / CONFIG_FILE
@@ -116,17 +118,14 @@ def drafter_projection(
     weight = weight.detach().to(device=device, dtype=dtype)
     bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
     if quantization == "int8":
-        from engine.models.draft_copies import quantized_dense
 
         return quantized_dense(weight, bias, "int8", model)
-    from engine.models.linear import Linear
 
     return Linear(weight, bias, pack=True)
 
 
 def build_readout(model, draft_vocab: torch.Tensor) -> nn.Module:
     """The target's LM head rows of the draft vocabulary, int8."""
-    from engine.models.draft_copies import dense_weight, quantized_dense
 
     rows = dense_weight(model.lm_head)[draft_vocab.to(model.final_norm.device)]
     if rows.device.type != "cpu":

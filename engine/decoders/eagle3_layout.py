@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from engine.decoders.drafter_files import CONFIG_FILE, TrainedDrafter, target_signature
 from engine.decoders.layout_files import (
@@ -160,7 +161,6 @@ def _draft_vocabulary(tensors: dict, draft_size: int, vocab_size: int, source) -
 
 
 def _save(drafter: TrainedDrafter, model, directory: Path) -> None:
-    from safetensors.torch import save_file
 
     network, arch = drafter.network, model.arch
     order = drafter.draft_vocab.argsort()  # the layout's draft ids run in token order

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from engine.decoders.drafter_files import CONFIG_FILE, TrainedDrafter
 
@@ -39,7 +41,6 @@ def config_of(directory: Path) -> dict:
 
 def tensors_of(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
 
         return load_file(str(path))
     state = torch.load(path, map_location="cpu", weights_only=True)
@@ -55,7 +56,6 @@ def expect_shape(name: str, tensor: torch.Tensor, shape: tuple, source: Path) ->
 
 
 def has_key(path: Path, key: str) -> bool:
-    from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         return key in f.keys()

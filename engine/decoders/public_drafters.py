@@ -36,6 +36,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from engine.decoders.drafter_files import CONFIG_FILE, TrainedDrafter, target_signature
 from engine.decoders.eagle3_layout import EAGLE3_LAYOUT
@@ -48,11 +49,11 @@ from engine.decoders.layout_files import (
     prior_accuracies,
     tensors_of,
 )
+from engine.models.linear import dense_weight
 from engine.models.rope import deinterleave_rope_rows, interleave_rope_rows
 
 
 def _target_rows(model, rows: torch.Tensor) -> torch.Tensor:
-    from engine.models.linear import dense_weight
 
     return dense_weight(model.lm_head).float()[rows]
 
@@ -154,7 +155,6 @@ def _load_vllm_medusa(directory: Path, model, heads_class) -> TrainedDrafter:
 
 
 def _save_vllm_medusa(drafter: TrainedDrafter, model, directory: Path) -> None:
-    from safetensors.torch import save_file
 
     heads, vocab = drafter.network, drafter.draft_vocab.long()
     rows = _target_rows(model, vocab).contiguous()
@@ -199,7 +199,6 @@ def _load_faster_decoding(directory: Path, model, heads_class) -> TrainedDrafter
 def _save_faster_decoding_v2(drafter: TrainedDrafter, model, directory: Path) -> None:
     """Medusa-2's layout: the blocks only (every head reads out through the target's whole
     LM head there, so drafts can differ from ours, which read the draft vocabulary's rows)."""
-    from safetensors.torch import save_file
 
     heads = drafter.network
     tensors = {}
@@ -294,7 +293,6 @@ def _save_eagle1(drafter: TrainedDrafter, model, directory: Path) -> None:
     keys. A layer with an input norm is written with ``layers.0.input_layernorm.weight``, which
     SafeAILab's own first layer and vLLM's have no place for: they would drop it and draft
     differently, so this refuses such a drafter (train with --no-input-norm to export)."""
-    from safetensors.torch import save_file
 
     network, arch = drafter.network, model.arch
     if network.input_norm is not None:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from engine.models.pull import cache_dir
+
 SOURCES = [
     Path(__file__).with_name(name)
     for name in (
@@ -52,7 +54,6 @@ _state: dict[str, object] = {}
 
 
 def _cache_dir() -> Path:
-    from engine.models.pull import cache_dir
 
     return cache_dir() / "kernels"
 
@@ -69,6 +70,7 @@ def library_path() -> Path:
 
 
 def _compile(out: Path) -> None:
+    # cpp_extension loads setuptools: only when a kernel must be built
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")

@@ -23,7 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from engine.kernels.build import library_path
 from engine.models.products import candidates, product_by_name
+from engine.models.pull import cache_dir
 from engine.models.quantized_linear import QuantizedLinear
 from engine.models.weight_formats import dequantize_torch
 
@@ -93,7 +95,6 @@ def cpu_identity() -> str:
 
 
 def _cache_file() -> Path:
-    from engine.models.pull import cache_dir
 
     return cache_dir() / "autotune" / "products.json"
 
@@ -101,7 +102,6 @@ def _cache_file() -> Path:
 def _cache_key(key: str, names: list[str]) -> str:
     """Measurements hold for this procedure, CPU, torch, thread count and shape, and for these
     candidates built from this kernel source (a new or changed kernel is measured again)."""
-    from engine.kernels.build import library_path
 
     products = ",".join(sorted(names))
     return (

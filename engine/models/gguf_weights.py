@@ -68,6 +68,7 @@ def read_gguf_weights(path: Path) -> tuple[Weights, bool]:
     adjacent rotation pairs, which is exactly our model's layout (see ``interleave_rope_rows``);
     other architectures (qwen2) keep Hugging Face's layout.
     """
+    # gguf: only for a GGUF checkpoint
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from engine.models.autotune import autotune
 from engine.models.gguf_weights import find_gguf, read_gguf_weights
@@ -31,7 +32,6 @@ SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2"}
 
 
 def load_hf_config(model_dir: Path):
-    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -190,7 +190,6 @@ def load_hf_model(model_dir: Path, dtype: torch.dtype = torch.float32, **config_
     config. Otherwise the plain ``from_pretrained`` (safetensors). ``config_overrides`` go to
     the config (e.g. ``num_hidden_layers``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     model_dir = Path(model_dir)
     gguf = find_gguf(model_dir)

@@ -291,6 +291,7 @@ def prepare_gguf_dir(
         if gguf_file.parent != tmp or not gguf_file.is_file():
             raise RuntimeError(f"the GGUF file was not placed in {tmp}: {gguf_file}")
         _say(progress, f"Preparing a model directory for {gguf_file.name} (config, tokenizer)...")
+        # transformers: only when a GGUF directory is prepared
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
         # Both read from the temporary directory, which holds only the GGUF: with other
@@ -329,6 +330,7 @@ def prepare_gguf_dir(
 def _causal_lm_architectures(model_type: str) -> list[str] | None:
     """``["LlamaForCausalLM"]`` and the like, as save_pretrained of the model would write."""
     try:
+        # transformers: only for a GGUF model's config
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     except ImportError:
         return None
@@ -417,6 +419,7 @@ def pull_model(name: str = DEFAULT_MODEL, progress: Progress = _stderr) -> Path:
 def _from_hub(repo_id: str, progress: Progress) -> Path:
     _say(progress, f"Fetching {repo_id} from the Hugging Face hub...")
     try:
+        # huggingface_hub (transformers' dependency): only for a hub id
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS))

@@ -28,6 +28,7 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         exponent = torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim
         return 1.0 / (params["rope_theta"] ** exponent), 1.0
+    # transformers: only for scaled ropes
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
