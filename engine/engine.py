@@ -137,6 +137,14 @@ class Engine:
         count = self.runner.graphs.precapture(self.config.scheduler.max_num_seqs, queries, options)
         log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - started)
 
+    def use_speculator(self, speculator: Speculator | None) -> None:
+        """Draft with ``speculator`` (one of ``build_speculator``'s; None: plain decoding)
+        from the next request on: a bench compares decoders on one loaded target this way.
+        Only between requests: a running sequence's drafter state lives in the old one."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("the speculator changes only while no request is running")
+        self.speculator = speculator
+
     def build_speculator(self, config: DecoderConfig) -> Speculator | None:
         """A speculator for the decoders of ``config`` over this engine's model and KV cache
         (None when none drafts). The engine builds its own from its config; benchmarks and the

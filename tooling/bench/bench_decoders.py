@@ -295,7 +295,7 @@ def _warm_up(llm: LLM, speculators: dict, hf, prompt: list[int]) -> None:
     for spec in speculators.values():
         if spec is not None and spec.policy is not None:
             spec.policy.ensure_calibrated()  # as a fresh engine does, outside the timing
-        llm.engine.speculator = spec
+        llm.engine.use_speculator(spec)
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
         if spec is not None:
             spec.stats = SpecDecodeStats()
@@ -326,7 +326,8 @@ def measure_set(llm, timer, speculators: dict, hf, prompts, max_tokens: int, rep
     for _ in range(repeats):
         for i, prompt in enumerate(prompts):
             for name, spec in speculators.items():
-                engine.speculator, timer.costs = spec, StepCosts()
+                engine.use_speculator(spec)
+                timer.costs = StepCosts()
                 if spec is not None:
                     spec.stats = SpecDecodeStats()  # this run's
                 start = time.perf_counter()
@@ -337,7 +338,7 @@ def measure_set(llm, timer, speculators: dict, hf, prompts, max_tokens: int, rep
                 start = time.perf_counter()
                 ids = hf_generate(target, prompt, max_tokens, options)
                 keep(name, i, _Run(time.perf_counter() - start, ids))
-    engine.speculator = None
+    engine.use_speculator(None)
     results = {}
     for name in [*speculators, *hf_options]:
         runs = [best[(name, i)] for i in range(len(prompts))]
