@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.build import load_kernels
+from engine.token_tree import ancestry, depths
 
 # Query runs up to this long share one padded group; longer ones get their own.
 SHORT_QUERY_LIMIT = 32
@@ -43,26 +44,6 @@ class SequenceSlice:
     num_new: int  # tokens computed (and whose K/V are written) this step
     block_table: Sequence[int]
     tree_parents: Sequence[int] | None = None
-
-
-def tree_depths(parents: Sequence[int]) -> list[int]:
-    """Depth of each tree token (0: follows the cached tokens); parents precede children."""
-    depths: list[int] = []
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"tree token {i} has parent {p}: parents must come first")
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
-
-
-def tree_ancestry(parents: Sequence[int]) -> torch.Tensor:
-    """[n, n] bool: entry (i, j) is True when tree token j is token i or one of its ancestors."""
-    n = len(parents)
-    seen = torch.eye(n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            seen[i] |= seen[p]
-    return seen
 
 
 @dataclass
@@ -190,9 +171,9 @@ def _tree_visible(s: SequenceSlice, window: int | None) -> torch.Tensor:
     n = s.num_new
     if len(s.tree_parents) != n:
         raise ValueError(f"{len(s.tree_parents)} tree parents for {n} new tokens")
-    depth = torch.tensor(tree_depths(s.tree_parents))
+    depth = torch.tensor(depths(s.tree_parents))
     cached = torch.ones(n, s.num_cached, dtype=torch.bool)
-    seen = torch.cat([cached, tree_ancestry(s.tree_parents)], 1)
+    seen = torch.cat([cached, ancestry(s.tree_parents)], 1)
     if window is not None:
         key_pos = torch.cat([torch.arange(s.num_cached), s.num_cached + depth])
         seen &= key_pos[None, :] > (s.num_cached + depth)[:, None] - window

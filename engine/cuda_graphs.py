@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import AttentionGroup, AttentionMetadata, tree_ancestry, tree_depths
+from engine.attention import AttentionGroup, AttentionMetadata
+from engine.token_tree import ancestry, depths
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAX_GRAPH_QUERIES = 16  # longer query runs (prefill chunks) run eagerly
@@ -113,9 +114,9 @@ def plan_padded_step(
             new_positions = torch.arange(cached, total)
             mask[i, 0, :n, :total] = every[None, :] <= new_positions[:, None]
         else:
-            new_positions = cached + torch.tensor(tree_depths(item.tree_parents))
+            new_positions = cached + torch.tensor(depths(item.tree_parents))
             mask[i, 0, :n, :cached] = True
-            mask[i, 0, :n, cached:total] = tree_ancestry(item.tree_parents)
+            mask[i, 0, :n, cached:total] = ancestry(item.tree_parents)
         positions[rows] = new_positions
     return PaddedStep(
         input_ids, positions, slot_mapping, kv_slots, mask, torch.tensor(real_rows)

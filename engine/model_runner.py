@@ -12,15 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import (
-    AttentionMetadata,
-    SequenceSlice,
-    build_attention_metadata,
-    tree_depths,
-)
+from engine.attention import AttentionMetadata, SequenceSlice, build_attention_metadata
 from engine.cuda_graphs import CudaGraphs, fits_a_graph
 from engine.kv_cache import KVCache
 from engine.models.llama import LlamaModel, ModelOutput
+from engine.token_tree import depths
 
 
 @dataclass
@@ -123,7 +119,7 @@ class ModelRunner:
             if item.tree_parents is None:
                 positions.extend(range(item.num_cached, item.num_cached + n))
             else:
-                positions.extend(item.num_cached + d for d in tree_depths(item.tree_parents))
+                positions.extend(item.num_cached + d for d in depths(item.tree_parents))
             logits_rows.extend(range(row + n - item.num_logits, row + n))
             extra_rows.extend(row + i for i in item.extra_logit_rows)
             slices.append(SequenceSlice(item.num_cached, n, item.block_table, item.tree_parents))

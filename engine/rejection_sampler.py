@@ -38,8 +38,8 @@ from engine.sampling import (
     process_logits,
     sample_from_probabilities,
 )
+from engine.token_tree import path_to
 from engine.tree_verification import (
-    path_to,
     verify_tree_drawn,
     verify_tree_greedy,
     verify_tree_one_hot,

@@ -38,6 +38,7 @@ from engine.sampling import (
     probabilities,
     sample_from_probabilities,
 )
+from engine.token_tree import longest_path
 
 
 @dataclass
@@ -57,23 +58,6 @@ def children_of(parents: Sequence[int]) -> list[list[int]]:
             raise ValueError(f"draft {i} has parent {parent}: parents must come first")
         children[parent + 1].append(i)
     return children
-
-
-def path_to(parents: Sequence[int], node: int) -> list[int]:
-    """Drafts from the root down to ``node`` (empty for the root, -1)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
-def tree_depth(parents: Sequence[int]) -> int:
-    """Drafts on the longest root-to-leaf path."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(1 + (depths[parent] if parent >= 0 else 0))
-    return max(depths, default=0)
 
 
 def _follow(
@@ -111,7 +95,7 @@ def verify_tree_one_hot(
     # As the chain rule: draw the uniforms of the deepest path, then consume only those of the
     # emitted tokens, so a chain-shaped tree spends them exactly as a chain does.
     state = generator.get_state()
-    uniforms = torch.rand(tree_depth(parents) + 1, generator=generator, dtype=torch.float64)
+    uniforms = torch.rand(longest_path(parents) + 1, generator=generator, dtype=torch.float64)
     path, node = [], -1
     while True:
         probs = probabilities(processed[node + 1 : node + 2])

@@ -8,17 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (
-    SequenceSlice,
-    build_attention_metadata,
-    paged_attention,
-    tree_ancestry,
-    tree_depths,
-)
+from engine.attention import SequenceSlice, build_attention_metadata, paged_attention
 from engine.kernels.build import load_kernels
 from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.loader import load_model
+from engine.token_tree import ancestry as tree_ancestry
+from engine.token_tree import depths as tree_depths
 from tests.test_decoder_stack import gguf_model, stack_runs  # noqa: F401  (fixture)
 
 # Two alternatives for the first new token (0 and 5), branches below 0, and a chain 1 -> 3 -> 6.
@@ -32,6 +28,7 @@ def test_tree_depths_and_ancestry():
     assert seen[5].nonzero().flatten().tolist() == [5]
     with pytest.raises(ValueError, match="parents must come first"):
         tree_depths([-1, 2, 0])
+
 
 
 @pytest.mark.parametrize("cpu_kernel", [False, True])

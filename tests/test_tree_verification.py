@@ -12,7 +12,8 @@ import torch
 
 from engine.rejection_sampler import DraftRun, RejectionSampler
 from engine.sampling import SamplingParams, make_generator, probabilities, process_logits
-from engine.tree_verification import children_of, path_to, tree_depth
+from engine.token_tree import longest_path, path_to
+from engine.tree_verification import children_of
 from tests.stats import chi_square_p_value
 from tests.test_rejection_sampler import (
     DRAFT,
@@ -40,7 +41,7 @@ def test_tree_shape_helpers():
     parents = [-1, -1, 0, 0, 2]
     assert children_of(parents) == [[0, 1], [2, 3], [], [4], [], []]
     assert path_to(parents, 4) == [0, 2, 4] and path_to(parents, -1) == []
-    assert tree_depth(parents) == 3 and tree_depth([]) == 0
+    assert longest_path(parents) == 3 and longest_path([]) == 0
     with pytest.raises(ValueError, match="parents must come first"):
         children_of([-1, 2, 0])
 

@@ -37,6 +37,7 @@ from engine.attention import slots_for_positions
 from engine.decoders.base import Proposal
 from engine.rejection_sampler import position_row
 from engine.sampling import probabilities, process_logits
+from engine.token_tree import ancestry, path_to
 
 if TYPE_CHECKING:
     from engine.sequence import Sequence
@@ -85,13 +86,13 @@ class _Round:
     tree_v: list[torch.Tensor] = field(default_factory=list)
     tree_owner: list[int] = field(default_factory=list)
 
+    @property
+    def parents(self) -> list[int]:
+        return [n.parent for n in self.nodes]
+
     def path(self, index: int) -> list[int]:
         """Node indices from the first depth down to ``index`` (empty for the decode token)."""
-        path = []
-        while index >= 0:
-            path.append(index)
-            index = self.nodes[index].parent
-        return path[::-1]
+        return path_to(self.parents, index)
 
     def tokens(self, index: int) -> list[int]:
         return [self.nodes[i].token for i in self.path(index)]
@@ -217,13 +218,10 @@ def _attend(q: torch.Tensor, r: _Round, nodes: list[int]) -> torch.Tensor:
     values = torch.cat([r.context_v, torch.stack(r.tree_v)])
     kvh = keys.shape[1]
     group = h // kvh  # query heads per K/V head
-    # Built on the CPU and moved once: the tree part is a few bits per node.
-    seen = torch.ones(f, len(keys), dtype=torch.bool)
-    context = len(r.context_k)
-    for a, node in enumerate(nodes):
-        path = set(r.path(node))
-        seen[a, context:] = torch.tensor([owner in path for owner in r.tree_owner])
-    seen = seen.to(q.device)
+    # Each node sees the round's cached entries and, of the tree's, its own path's (the
+    # target's verification attention reads the same ancestry). Built on the CPU, moved once.
+    own = ancestry(r.parents)[nodes][:, r.tree_owner]  # [F, m]
+    seen = torch.cat([torch.ones(f, len(r.context_k), dtype=torch.bool), own], 1).to(q.device)
     # Queries of one K/V head side by side: [KVH, F * group, D] against [KVH, L + m, D].
     qg = q.reshape(f, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, f * group, d)
     mask = seen.repeat_interleave(group, dim=0)  # [F * group, L + m]
