@@ -1,8 +1,12 @@
 """The learning curve a trained EAGLE drafter keeps in its config (held-out top-1 accuracy per
 depth against the answer tokens trained on), as a PNG:
 
-    python -m tooling.training.learning_curve DRAFTER_DIR [--output docs/eagle-learning-curve.png]
+    python -m tooling.training.learning_curve DRAFTER_DIR [DRAFTER_DIR ...]
+        [--output docs/eagle-learning-curve.png]
         [--mark "LABEL:TOKENS:ACCURACY" ...]   # other drafters on the same held-out set
+
+Several drafters (an ``eagle`` and an ``eagle3`` trained on the same data, say) share the
+axes: a colour per depth, a line style per drafter.
 """
 
 from __future__ import annotations
@@ -13,21 +17,23 @@ import sys
 from pathlib import Path
 
 
-def plot(drafter: Path, output: Path, marks: list[str], title: str = "") -> None:
+def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    config = json.loads((drafter / "config.json").read_text())
-    curve = config["training"].get("learning_curve") or []
-    if not curve:
-        raise ValueError(f"{drafter}: no learning curve in its config")
-    tokens = [point[0] for point in curve]
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for depth in range(len(curve[0][1])):
-        ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
-                label=f"depth {depth + 1}")  # fmt: skip
+    for style, drafter in zip(("-", "--", ":", "-."), drafters, strict=False):
+        config = json.loads((drafter / "config.json").read_text())
+        curve = config["training"].get("learning_curve") or []
+        if not curve:
+            raise ValueError(f"{drafter}: no learning curve in its config")
+        tokens = [point[0] for point in curve]
+        for depth in range(len(curve[0][1])):
+            ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
+                    linestyle=style, color=f"C{depth}",
+                    label=f"{config['type']}, depth {depth + 1}")  # fmt: skip
     for mark in marks:  # e.g. the shipped drafter scored by `specserve train evaluate`
         label, trained, accuracy = mark.rsplit(":", 2)
         ax.scatter([float(trained)], [100 * float(accuracy)], marker="x", color="black")
@@ -36,7 +42,7 @@ def plot(drafter: Path, output: Path, marks: list[str], title: str = "") -> None
     ax.set_xscale("log")
     ax.set_xlabel("answer tokens trained on (one pass)")
     ax.set_ylabel("held-out top-1 accuracy (%)")
-    ax.set_title(f"EAGLE drafter: held-out accuracy against training data ({title})")
+    ax.set_title(f"EAGLE drafters: held-out accuracy against training data ({title})")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -46,13 +52,13 @@ def plot(drafter: Path, output: Path, marks: list[str], title: str = "") -> None
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("drafter", type=Path)
+    parser.add_argument("drafters", type=Path, nargs="+")
     parser.add_argument("--output", type=Path, default=Path("docs/eagle-learning-curve.png"))
     parser.add_argument("--title", default="", help="e.g. the target's name")
     parser.add_argument("--mark", action="append", default=[],
                         help="LABEL:TOKENS:ACCURACY, a depth-1 point to compare")  # fmt: skip
     args = parser.parse_args()
-    plot(args.drafter, args.output, args.mark, args.title)
+    plot(args.drafters, args.output, args.mark, args.title)
     print(args.output)
     return 0
 
