@@ -115,9 +115,9 @@ def test_greedy_equals_autoregressive_batched_preempted_and_aborted(
 
 
 def test_a_draft_vocabulary_maps_back_to_target_tokens(tiny_model_dir, tmp_path):
-    vocab = torch.tensor([3, 5, 6, 7, 8, 9, 11, 12, 13, 14, 17, 23, 40, 41, 42])
+    vocab = torch.tensor([40, 3, 17, 5, 6, 7, 8, 9, 23, 11, 12, 13, 14, 41, 42])  # by frequency
     path = save_eagle3_drafter(tiny_model_dir, tmp_path / "small", draft_vocab=vocab)
-    llm = eagle3_llm(tiny_model_dir, path)
+    llm = eagle3_llm(tiny_model_dir, path, quantization="none")  # its head as trained
     engine = llm.engine
     drafter = engine.speculator.decoders["eagle3"].drafter
     engine.add_request("r", PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
@@ -126,7 +126,13 @@ def test_a_draft_vocabulary_maps_back_to_target_tokens(tiny_model_dir, tmp_path)
     drafter.begin_round(seq)
     logits = drafter.forward([seq], {seq: []}, {seq: 1})
     finite = logits[0].isfinite().nonzero().flatten()
-    assert finite.tolist() == vocab.tolist()  # every other token is -inf: never drafted
+    assert finite.tolist() == sorted(vocab.tolist())  # every other token is -inf: never drafted
+    # Head row i scores the i-th token of the vocabulary as trained, whatever order the
+    # drafting loop keeps it in (the bug this pins: rows read against the sorted vocabulary).
+    network = _network(path)
+    with torch.no_grad():
+        rows = network.logits(drafter._logs[seq].guess[None])[0]
+    torch.testing.assert_close(logits[0][vocab], rows, atol=2e-4, rtol=1e-4)
     expected = LLM(model=str(tiny_model_dir)).generate(PROMPTS[:2], GREEDY)
     got = llm.generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]

@@ -162,7 +162,11 @@ class Eagle3Drafter(EagleDrafter):
             projection(network.down),
         )  # fmt: skip
         self.stack = None  # the C++ stack runs layers whose attention reads the residual
-        self.readout = _NormedHead(norm(network.norm), projection(network.lm_head), self.eps)
+        # The head's rows follow the drafter's vocabulary as trained; the drafting loop keeps
+        # it ascending (``set_draft_vocabulary``), so the rows are put in that order too.
+        order = draft_vocab.argsort().to(network.lm_head.weight.device)
+        head = drafter_projection(network.lm_head.weight[order], None, quantization, self.model)
+        self.readout = _NormedHead(norm(network.norm), head, self.eps)
 
     def observe(self, seq, first_position: int, features: torch.Tensor) -> None:
         super().observe(seq, first_position, self.fc(features.to(self.device, self.model.dtype)))
