@@ -154,12 +154,13 @@ def _eagle(model_dir, path, input_norm: bool, vocab=None):
     return path
 
 
-def _eagle_drafts(model_dir, drafter_dir) -> tuple:
-    decoder = {"method": "eagle", "draft_policy": "fixed", "num_speculative_tokens": 3,
-               "eagle": {"drafter": str(drafter_dir), "quantization": "none"}}  # fmt: skip
+def _eagle_drafts(model_dir, drafter_dir, method: str = "eagle") -> tuple:
+    """Greedy outputs and the drafting statistics of an EAGLE-family drafter (unquantized)."""
+    decoder = {"method": method, "draft_policy": "fixed", "num_speculative_tokens": 3,
+               method: {"drafter": str(drafter_dir), "quantization": "none"}}  # fmt: skip
     llm = LLM(model=str(model_dir), decoder=decoder)
     outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    stats = llm.engine.speculator.stats_by_decoder["eagle"]
+    stats = llm.engine.speculator.stats_by_decoder[method]
     return outputs, stats.num_draft_tokens, list(stats.accepted_per_position)
 
 
@@ -229,15 +230,6 @@ def test_eagle1_refusals(tiny_model_dir, llm, tmp_path):
 
 
 # ---- EAGLE-3 ---------------------------------------------------------------------------------
-def _eagle3_drafts(model_dir, drafter_dir) -> tuple:
-    decoder = {"method": "eagle3", "draft_policy": "fixed", "num_speculative_tokens": 3,
-               "eagle3": {"drafter": str(drafter_dir), "quantization": "none"}}  # fmt: skip
-    llm = LLM(model=str(model_dir), decoder=decoder)
-    outputs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
-    stats = llm.engine.speculator.stats_by_decoder["eagle3"]
-    return outputs, stats.num_draft_tokens, list(stats.accepted_per_position)
-
-
 @pytest.fixture
 def eagle3_ours(tiny_model_dir, tmp_path):
     from tests.tiny_models import save_eagle3_drafter
@@ -270,9 +262,8 @@ def test_an_eagle3_drafter_round_trips_to_identical_drafts(tiny_model_dir, llm, 
     back = load_drafter(str(tmp_path / "eagle3"), "eagle3", Eagle3Network, model)
     assert torch.equal(back.draft_vocab, ordered)
     assert back.network.shape == mine.network.shape
-    assert _eagle3_drafts(tiny_model_dir, tmp_path / "eagle3") == _eagle3_drafts(
-        tiny_model_dir, eagle3_ours
-    )
+    exported = _eagle_drafts(tiny_model_dir, tmp_path / "eagle3", "eagle3")
+    assert exported == _eagle_drafts(tiny_model_dir, eagle3_ours, "eagle3")
 
 
 def test_eagle3_q_and_k_are_written_in_the_rotate_half_layout(llm, eagle3_ours, tmp_path):

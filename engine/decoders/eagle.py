@@ -48,6 +48,18 @@ if TYPE_CHECKING:
     from engine.sequence import Sequence
 
 
+def trainable_layer(network: nn.Module, input_norm: torch.Tensor | None) -> DecoderLayer:
+    """``DecoderLayer`` over an EAGLE network's own parameters (``qkv``, ``o``, the norms,
+    ``gate_up``, ``down``; its ``shape`` names the geometry), in PyTorch ops: autograd flows."""
+    s = network.shape
+    arch = ModelArchitecture.of_layer(
+        s["hidden_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
+        s["intermediate_size"], s["rms_norm_eps"],
+    )  # fmt: skip
+    return DecoderLayer(arch, input_norm, network.qkv, network.o, network.post_attention_norm,
+                        network.gate_up, network.down, fused=False)  # fmt: skip
+
+
 class EagleNetwork(nn.Module):
     """The drafter's weights: ``fc`` over [token embedding; feature], then one decoder layer
     (``DecoderLayer``: the engine drafts with it on the paged cache, training runs its
@@ -87,13 +99,7 @@ class EagleNetwork(nn.Module):
 
     def layer(self) -> DecoderLayer:
         """The layer over this network's own parameters (PyTorch ops: autograd flows)."""
-        s = self.shape
-        arch = ModelArchitecture.of_layer(
-            s["hidden_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
-            s["intermediate_size"], s["rms_norm_eps"],
-        )  # fmt: skip
-        return DecoderLayer(arch, self.input_norm, self.qkv, self.o, self.post_attention_norm,
-                            self.gate_up, self.down, fused=False)  # fmt: skip
+        return trainable_layer(self, self.input_norm)
 
     def inputs(self, embeddings: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """x = fc([embedding of the token; feature of the position before])."""

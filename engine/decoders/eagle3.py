@@ -26,9 +26,9 @@ from engine.attention import paged_attention
 from engine.decoders.drafter_files import drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
-from engine.decoders.eagle import EagleDecoder, EagleDrafter
+from engine.decoders.eagle import EagleDecoder, EagleDrafter, trainable_layer
 from engine.decoders.windows import build_window
-from engine.models.llama import DecoderLayer, ModelArchitecture, rms_norm, rms_norm_rows
+from engine.models.llama import DecoderLayer, rms_norm, rms_norm_rows
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
@@ -86,13 +86,7 @@ class Eagle3Network(nn.Module):
     def layer(self) -> DecoderLayer:
         """The layer over this network's own parameters, without an input norm: its
         attention reads ``entry``'s already-normed [2d] input (PyTorch ops: autograd flows)."""
-        s = self.shape
-        arch = ModelArchitecture.of_layer(
-            s["hidden_size"], s["num_heads"], s["num_kv_heads"], s["head_dim"],
-            s["intermediate_size"], s["rms_norm_eps"],
-        )  # fmt: skip
-        return DecoderLayer(arch, None, self.qkv, self.o, self.post_attention_norm,
-                            self.gate_up, self.down, fused=False)  # fmt: skip
+        return trainable_layer(self, None)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's layers' outputs [..., layers * d] -> what depth 1 reads [..., d]."""
