@@ -22,6 +22,6 @@ class TargetFeatures:
         if layers == self.layers:
             return self.rows
         d = self.rows.shape[1] // len(self.layers)
-        blocks = [self.rows[:, self.layers.index(i) * d : (self.layers.index(i) + 1) * d]
-                  for i in layers]  # fmt: skip
+        starts = [self.layers.index(i) * d for i in layers]
+        blocks = [self.rows[:, a : a + d] for a in starts]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)

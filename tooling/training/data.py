@@ -16,12 +16,13 @@ from tooling.training.self_distillation import (
 from tooling.training.shards import build_from_file, default_root, load_split, recipe_for
 
 
-def training_splits(llm, options) -> dict[str, FeatureSplit]:
+def training_splits(llm, options, root: Path | None = None) -> dict[str, FeatureSplit]:
     """The training and held-out splits a drafter learns from: the shards of
     ``options.data`` (``specserve train data``), up to ``options.data_tokens`` answer tokens of
     training; else the built-in prompts (or ``options.prompts``) answered now and cached in
     the output directory."""
-    root = shard_root(llm, options)  # a conversations file is answered now, kept in the cache
+    # A conversations file is answered now and kept in the cache (``root``: already done).
+    root = root or shard_root(llm, options)
     if root is not None:
         return {
             "train": load_split(root / "train", options.data_tokens),

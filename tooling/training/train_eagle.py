@@ -79,6 +79,17 @@ def _shift(x: torch.Tensor, by: int = 1) -> torch.Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 2) + (by, 0))[:, : x.shape[1]]
 
 
+def padded_rope(model):
+    """``rope_of((batch, width))``: the rope factors of a padded [batch, width] batch, every
+    row starting at position 0, flattened as the unrolled drafter takes them."""
+
+    def rope_of(shape) -> torch.Tensor:
+        batch, width = shape
+        return model.rope.lookup(torch.arange(width).repeat(batch))
+
+    return rope_of
+
+
 CURVE_START, CURVE_SAMPLE = 50_000, 96  # first milestone (answer tokens); held-out sample
 
 
@@ -205,10 +216,7 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()
 
-    def rope_of(shape) -> torch.Tensor:
-        batch, width = shape
-        return model.rope.lookup(torch.arange(width).repeat(batch))
-
+    rope_of = padded_rope(model)
     network = EagleNetwork(
         arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
         arch.intermediate_size, arch.rms_norm_eps, input_norm=options.input_norm,
@@ -278,10 +286,7 @@ def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top
     vocab = drafter.draft_vocab
     readout = dense_weight(model.lm_head)[vocab].float()
 
-    def rope_of(shape) -> torch.Tensor:
-        batch, width = shape
-        return model.rope.lookup(torch.arange(width).repeat(batch))
-
+    rope_of = padded_rope(model)
     split = load_split(Path(data) / "held_out")
     return held_out_accuracies(
         drafter.network.float(), rope_of, split, model.embed, readout, vocab,

@@ -34,6 +34,7 @@ from tooling.training.train_eagle import (
     _first,
     _losses,
     held_out_accuracies,
+    padded_rope,
     print_accuracies,
     unrolled_outputs,
 )
@@ -84,24 +85,21 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     model = llm.engine.model
     arch = model.arch
     layers = tuple(options.feature_layers or default_feature_layers(arch.num_layers))
-    splits = training_splits(llm, options)
+    root = shard_root(llm, options)
+    splits = training_splits(llm, options, root)
     train, held_out = splits["train"], splits["held_out"]
     labels = train.answer_labels()
     vocab = draft_vocabulary(labels, options.draft_vocab_size)
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()  # the teacher's rows
-    root = shard_root(llm, options)
     inputs = {
         name: layer_features(model, split.sequences, layers, what,
                              None if root is None else root / name)  # fmt: skip
         for name, split, what in (("train", train, "training"), ("held_out", held_out, "held-out"))
     }
 
-    def rope_of(shape) -> torch.Tensor:
-        batch, width = shape
-        return model.rope.lookup(torch.arange(width).repeat(batch))
-
+    rope_of = padded_rope(model)
     network = new_network(model, vocab, layers)
     optimizer = torch.optim.AdamW(network.parameters(), lr=options.learning_rate)
 
@@ -158,10 +156,7 @@ def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: i
     layers = tuple(network.shape["feature_layers"])
     inputs = layer_features(model, split.sequences, layers, "held-out", Path(data) / "held_out")
 
-    def rope_of(shape) -> torch.Tensor:
-        batch, width = shape
-        return model.rope.lookup(torch.arange(width).repeat(batch))
-
+    rope_of = padded_rope(model)
     return held_out_accuracies(
         network, rope_of, split, model.embed, dense_weight(model.lm_head)[vocab].float(), vocab,
         model.arch.vocab_size, depth, top_k,
