@@ -210,13 +210,14 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         speculative: SpeculativeOptions | None = None,
-        return_hidden_states: bool = False,
+        return_hidden_states: bool | tuple[int, ...] = False,
     ) -> None:
         """Queue a request; raises ValueError for input the engine cannot serve.
 
         ``return_hidden_states`` captures the target's last-layer hidden state (before the
-        final norm) at every position the request feeds through the model, handed back with
-        its finished outputs (``CompletionOutput.hidden_states``); such a request decodes
+        final norm) at every position the request feeds through the model, or with a tuple
+        of layer indices those layers' outputs side by side, handed back with its finished
+        outputs (``CompletionOutput.hidden_states``); such a request decodes
         autoregressively and takes no prefix-cache hits."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -226,7 +227,8 @@ class Engine:
                 f"speculative method {speculative.method!r} is not loaded; "
                 f"loaded: {', '.join(self.loaded_decoders)}"
             )
-        if return_hidden_states:
+        hidden_layers = self._hidden_layers(return_hidden_states)
+        if hidden_layers is not None:
             self.validate_hidden_capture(speculative)
         request = Request(request_id, list(prompt_token_ids), params)
         states = self._constraint_states(params)
@@ -240,13 +242,27 @@ class Engine:
                 generator=make_generator(seed),
                 speculative=speculative,
                 wants_prompt_logprobs=i == 0 and params.prompt_logprobs is not None,
-                hidden_chunks=[] if return_hidden_states else None,
+                hidden_chunks=None if hidden_layers is None else [],
+                hidden_layers=hidden_layers,
                 banned=None if states is None else states[i][1],
             )
             request.seqs.append(seq)
         self.scheduler.add(request.seqs[0])
         request.held_back = request.seqs[1:]
         self.requests[request_id] = request
+
+    def _hidden_layers(self, wanted: bool | tuple[int, ...]) -> tuple[int, ...] | None:
+        """The layers a request's ``return_hidden_states`` captures (None: none)."""
+        if wanted is False or wanted is None:
+            return None
+        num_layers = self.model.arch.num_layers
+        layers = (num_layers - 1,) if wanted is True else tuple(wanted)
+        if not layers or any(not 0 <= i < num_layers for i in layers):
+            raise ValueError(
+                f"hidden states of layers {list(layers)} asked for; the model's layers are "
+                f"0 to {num_layers - 1}"
+            )
+        return layers
 
     def validate_hidden_capture(self, speculative: SpeculativeOptions | None) -> None:
         """ValueError unless requests with these options decode autoregressively, the path
@@ -412,13 +428,13 @@ class Engine:
 
     def _forward(self, items, scheduled) -> tuple[torch.Tensor, TargetFeatures | None]:
         """The step's logits, and the hidden states of every token row at the layers the
-        step's drafting decoders read (the last layer where a sequence captures its own),
-        when there are any (else None)."""
+        step's drafting decoders read and its capturing sequences keep, when there are any
+        (else None)."""
         spec = self.speculator
-        last = self.model.arch.num_layers - 1
         layers = set() if spec is None else set(spec.feature_layers(scheduled))
-        if any(s.seq.hidden_chunks is not None for s in scheduled):
-            layers.add(last)
+        for s in scheduled:
+            if s.seq.hidden_layers is not None:
+                layers.update(s.seq.hidden_layers)
         if not layers:
             return self.runner.run(items), None
         wanted = tuple(sorted(layers))
@@ -536,14 +552,13 @@ class Engine:
 def _capture_hidden(features: TargetFeatures, scheduled: list[ScheduledSequence], items) -> None:
     """Keep the hidden-state rows of the sequences that capture them (one row per token of
     the flattened batch, in item order)."""
-    if not any(s.seq.hidden_chunks is not None for s in scheduled):
-        return
-    last = (features.layers[-1],)  # the engine adds the last layer when a sequence captures
-    hidden, row = features.of(last), 0
+    row = 0
     for s, item in zip(scheduled, items, strict=True):
         n = len(item.token_ids)
         if s.seq.hidden_chunks is not None:
-            rows = hidden[row : row + n].to("cpu", torch.float32, copy=True)  # not the step's
+            own = TargetFeatures(features.rows[row : row + n], features.layers)
+            # a copy: not the step's buffer, which the next step overwrites
+            rows = own.of(s.seq.hidden_layers).to("cpu", torch.float32, copy=True)
             s.seq.hidden_chunks.append((item.num_cached, rows))
         row += n
 

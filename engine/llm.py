@@ -48,14 +48,15 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         speculative: SpeculativeOptions | None = None,
-        return_hidden_states: bool = False,
+        return_hidden_states: bool | tuple[int, ...] = False,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text, or a list of token ids); outputs in prompt order.
 
         ``speculative`` picks one of the loaded decoders (``engine.loaded_decoders``) for these
         prompts, as the server's ``"speculative"`` field does; None uses the configured one.
         ``return_hidden_states`` hands back the target's last-layer hidden states along each
-        output (``CompletionOutput.hidden_states``; autoregressive decoding only)."""
+        output, or with a tuple of layer indices those layers' outputs side by side
+        (``CompletionOutput.hidden_states``; autoregressive decoding only)."""
         if isinstance(prompts, str) or _is_token_list(prompts):
             prompts = [prompts]
         token_lists = [self._encode(p) for p in prompts]
@@ -63,7 +64,7 @@ class LLM:
         for tokens, p in zip(token_lists, params, strict=True):
             self.engine.validate_prompt(tokens, p)  # all checked before any is queued
         self._check_decoder(speculative)
-        if return_hidden_states:
+        if return_hidden_states is not False:
             self.engine.validate_hidden_capture(speculative)
         request_ids = []
         for tokens, p in zip(token_lists, params, strict=True):

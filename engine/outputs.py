@@ -29,7 +29,8 @@ class CompletionOutput:
     text: str = ""  # filled by callers that detokenize (LLM, server)
     all_sources: list[str] | None = None  # as all_token_ids (engine.provenance), if asked
     # Once finished, with return_hidden_states: [prompt + output tokens - 1, d], the target's
-    # last-layer hidden state (before the final norm) at each position that was fed.
+    # last-layer hidden state (before the final norm) at each position that was fed; with a
+    # tuple of layers, [..., len(layers) * d]: their outputs side by side.
     hidden_states: torch.Tensor | None = None
 
     @property

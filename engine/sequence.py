@@ -56,11 +56,13 @@ class Sequence:
     # The request's prompt logprobs are computed on this sequence (its first one), which is
     # therefore never admitted from the prefix cache; entry j is prompt token j + 1's.
     wants_prompt_logprobs: bool = False
-    # The target's last-layer hidden state of every position this sequence feeds through the
-    # model (LLM.generate(return_hidden_states=True): drafter training reads them from the
-    # generation instead of a second, teacher-forced pass): (first position, [rows, d]) per
-    # forward pass, in the order they ran; a recompute's rows replace the earlier ones.
+    # The target's hidden states of every position this sequence feeds through the model, at
+    # ``hidden_layers`` (LLM.generate(return_hidden_states=...): drafter training reads them
+    # from the generation instead of a second, teacher-forced pass): (first position, [rows,
+    # len(hidden_layers) * d]) per forward pass, in the order they ran; a recompute's rows
+    # replace the earlier ones.
     hidden_chunks: list[tuple[int, torch.Tensor]] | None = None
+    hidden_layers: tuple[int, ...] | None = None
     # Banned phrases (engine.constraints.banned): output tokens past ``banned.stable`` are held
     # back from the outputs until they can no longer be rewound.
     banned: BannedPhrasesState | None = None

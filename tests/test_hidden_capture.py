@@ -70,3 +70,23 @@ def test_training_features_come_from_the_generation(tiny_model_dir):
         assert not features[-1].any()
     hidden = llm.generate(PROMPTS[:1], GREEDY, return_hidden_states=True)[0].outputs[0]
     assert final_features(model, hidden.hidden_states).shape[0] == len(PROMPTS[0]) + 32
+
+
+def test_several_layers_are_captured_side_by_side_and_bad_layers_refused(tiny_model_dir):
+    # What `specserve train data --keep-layers` keeps: the outputs of the layers it names, in
+    # its order, as a teacher-forced pass gives them.
+    llm = LLM(model=str(tiny_model_dir))
+    model = llm.engine.model
+    last = model.arch.num_layers - 1
+    out = llm.generate(PROMPTS[:2], GREEDY, return_hidden_states=(last, 0))
+    for o in out:
+        tokens = list(o.prompt_token_ids) + o.token_ids
+        expected = sequence_features(model, [tokens], layer=(last, 0))[0][:-1]
+        hidden = o.outputs[0].hidden_states
+        assert hidden.shape == (len(tokens) - 1, 2 * model.arch.hidden_size)
+        torch.testing.assert_close(hidden, expected)
+        first = hidden[:, : model.arch.hidden_size]
+        torch.testing.assert_close(first, teacher_forced(model, tokens))
+    with pytest.raises(ValueError, match=f"layers \\[0, {last + 1}\\] asked for"):
+        llm.generate(PROMPTS[:1], GREEDY, return_hidden_states=(0, last + 1))
+    assert not llm.engine.has_unfinished_requests()

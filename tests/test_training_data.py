@@ -194,6 +194,53 @@ def test_eagle3s_layer_outputs_are_kept_beside_the_shards_and_read_back(chat_llm
     assert len(again) == 2 and all(torch.equal(a, b) for a, b in zip(again, first, strict=False))
 
 
+def test_kept_layers_are_what_a_second_pass_would_compute(chat_llm, tmp_path, monkeypatch):
+    # `train data --keep-layers`: each new shard's layer outputs are written beside it from
+    # the generating passes, and the layer cache reads them instead of running the model.
+    from engine.sampling_params import SamplingParams
+    from tooling.training import layer_cache, shards
+    from tooling.training.layer_cache import cached_layer_features
+    from tooling.training.self_distillation import sequence_features
+    from tooling.training.shards import layer_directory
+
+    def stopping(recipe, answer, max_tokens, *where):
+        # every answer stops after 3 tokens, so every conversation gets its follow-up turn
+        # (the random model would otherwise run to max_tokens and end after one)
+        vocab = chat_llm.engine.model.arch.vocab_size
+        p = shards_params(recipe, answer, max_tokens, *where)
+        every_token = list(range(vocab))
+        return SamplingParams(temperature=p.temperature, max_tokens=p.max_tokens, seed=p.seed,
+                              min_tokens=2, stop_token_ids=every_token)  # fmt: skip
+
+    shards_params = shards._params
+    monkeypatch.setattr(shards, "_params", stopping)
+    layers = (1, 0)
+    build(chat_llm, tmp_path, _recipe(), budget=1, keep_layers=layers)
+    monkeypatch.setattr(shards, "_params", shards_params)
+    for split in ("train", "held_out"):
+        kept = sorted(p.name for p in layer_directory(tmp_path / split, layers).iterdir())
+        assert kept == [p.name for p in shard_paths(tmp_path / split)]
+    split = load_split(tmp_path / "train")
+    model = chat_llm.engine.model
+
+    def no_second_pass(*args, **kwargs):
+        raise AssertionError("the layer outputs were computed in a second pass")
+
+    monkeypatch.setattr(layer_cache, "sequence_features", no_second_pass)
+    rows = cached_layer_features(model, tmp_path / "train", layers, len(split.sequences))
+    assert len(rows) == len(split.sequences) and any(len(s) > 1 for s in split.spans)
+    for tokens, kept in zip(split.sequences, rows, strict=True):
+        (expected,) = sequence_features(model, [tokens], layer=layers)
+        assert kept.dtype == torch.float16 and kept.shape == expected.shape
+        # every position but the last, which never ran (zero, as the features' last row)
+        torch.testing.assert_close(kept[:-1].float(), expected[:-1], atol=2e-3, rtol=2e-3)
+        assert not kept[-1].any()
+    # the shard's own features are the last layer's, as without --keep-layers
+    for tokens, features in zip(split.sequences, split.features, strict=True):
+        (expected,) = sequence_features(model, [tokens])
+        torch.testing.assert_close(features[:-1].float(), expected[:-1], atol=2e-3, rtol=2e-3)
+
+
 def test_an_eagle3_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tiny_chat_model_dir,
                                                                    tmp_path):  # fmt: skip
     from tests.tiny_models import save_eagle3_drafter
@@ -206,3 +253,19 @@ def test_an_eagle3_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tin
     assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
     assert all(0 <= a <= 1 for row in accuracies for a in row)
     assert sum(accuracies[0]) <= 1
+
+
+def test_train_data_keeps_layers_from_the_command_line(tiny_chat_model_dir, tmp_path, capsys):
+    from tooling.cli import main
+    from tooling.training.shards import layer_directory
+
+    args = ["train", "data", "--model", str(tiny_chat_model_dir), "--tokens", "1",
+            "--output", str(tmp_path), "--shard-requests", "2", "--max-tokens", "4",
+            "--follow-up-max-tokens", "2", "--batch", "4"]  # fmt: skip
+    assert main([*args, "--keep-layers", "0,9"]) == 2  # the tiny model has 2 layers
+    assert "--keep-layers 0,9: the model's layers are 0 to 1" in capsys.readouterr().err
+    assert main([*args, "--keep-layers", "low"]) == 2
+    assert main([*args, "--keep-layers", "1,0"]) == 0
+    for split in ("train", "held_out"):
+        kept = layer_directory(tmp_path / split, (1, 0))
+        assert [p.name for p in kept.iterdir()] == [p.name for p in shard_paths(tmp_path / split)]

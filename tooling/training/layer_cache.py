@@ -1,21 +1,17 @@
 """The target's layer outputs an EAGLE-3 drafter fuses, computed once per shard and kept
 beside the shards (``<split>/layers-1-14-26/shard-NNNNN.pt``, float16): the teacher-forced
 pass costs about as much as a training epoch on a CPU, and every later run on the same data
-(another epoch budget, another seed, `train evaluate`) reads it back instead."""
+(another epoch budget, another seed, `train evaluate`) reads it back instead. Shards made by
+`specserve train data --keep-layers` have theirs from the generation already."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from tooling.training.self_distillation import sequence_features
-from tooling.training.shards import load_shard, shard_paths
-
-
-def layer_directory(split: Path, layers: tuple[int, ...]) -> Path:
-    return Path(split) / ("layers-" + "-".join(str(i) for i in layers))
+from tooling.training.shards import layer_directory, load_shard, save_layer_rows, shard_paths
 
 
 def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: int,
@@ -39,9 +35,6 @@ def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: in
                 r.to(torch.float16)
                 for r in sequence_features(model, sequences, progress=progress, layer=layers)
             ]
-            kept.mkdir(exist_ok=True)
-            partial = cache.with_suffix(".partial")
-            torch.save(shard, partial)
-            os.replace(partial, cache)  # whole or absent: an interrupted run recomputes it
+            save_layer_rows(Path(split), layers, path.name, shard)
         rows += shard
     return rows[:count]

@@ -7,6 +7,10 @@ seed), a share of them continued by a follow-up turn that the target answers too
 conversation it keeps the token ids, where the assistant's turns are, and the target's
 final-normed features at every position, captured from the generating passes themselves.
 
+With ``keep_layers`` the same passes also keep the outputs of those layers (EAGLE-3's low,
+middle and high layer), written beside the shard where ``layer_cache`` reads them, so training
+an EAGLE-3 drafter needs no second, teacher-forced pass over the data.
+
 Every shard is a function of the recipe and its index alone, so an interrupted build continues
 where it stopped and makes the same data: a shard is written to a temporary name and renamed
 when complete, and a rerun skips the shards that exist. The build stops once the training split
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -64,6 +69,8 @@ class Conversation:
     spans: list[tuple[int, int]]
     features: torch.Tensor
     temperature: float = 0.0
+    layers: torch.Tensor | None = None  # [len, layers * d] float16, with keep_layers
+
 
     @property
     def answer_tokens(self) -> int:
@@ -95,11 +102,15 @@ def make_shard(llm, recipe: Recipe, split: str, index: int) -> list[Conversation
     return converse(llm, recipe, shard_requests(recipe, split, index), (split, index))
 
 
-def converse(llm, recipe: Recipe, requests: list[Request], where: tuple) -> list[Conversation]:
+def converse(llm, recipe: Recipe, requests: list[Request], where: tuple,
+             keep_layers: tuple[int, ...] | None = None) -> list[Conversation]:  # fmt: skip
     """The target's conversations with ``requests``, ``recipe.answers_per_request`` each, all
     batched turn by turn: each user turn after the first follows the target's own complete
     answer to the one before (a conversation whose answer ran out of tokens ends there).
-    ``where`` names the batch in the seeds, so each answer has its own."""
+    ``where`` names the batch in the seeds, so each answer has its own; ``keep_layers``
+    keeps those layers' outputs along each conversation too."""
+    last = llm.engine.model.arch.num_layers - 1
+    capture = True if keep_layers is None else (*keep_layers, last)
     owners = [(r, a) for r in range(len(requests)) for a in range(recipe.answers_per_request)]
     conversations: list[Conversation | None] = [None] * len(owners)
     endings: list[str | None] = [None] * len(owners)
@@ -119,9 +130,9 @@ def converse(llm, recipe: Recipe, requests: list[Request], where: tuple) -> list
             which.append(i)
         if not prompts:
             break
-        outputs = llm.generate(prompts, params, return_hidden_states=True)
+        outputs = llm.generate(prompts, params, return_hidden_states=capture)
         for i, out in zip(which, outputs, strict=True):
-            conversation = _conversation(llm, out, recipe.temperature(owners[i][1]))
+            conversation = _conversation(llm, out, recipe.temperature(owners[i][1]), keep_layers)
             if conversations[i] is not None:
                 conversation.spans = conversations[i].spans + conversation.spans
             conversations[i] = conversation
@@ -137,12 +148,19 @@ def _params(recipe: Recipe, answer: int, max_tokens: int, *where) -> SamplingPar
     )
 
 
-def _conversation(llm, out, temperature: float) -> Conversation:
+def _conversation(llm, out, temperature: float,
+                  keep_layers: tuple[int, ...] | None) -> Conversation:  # fmt: skip
     prompt, answer = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
     model = llm.engine.model
-    features = final_features(model, out.outputs[0].hidden_states)
+    hidden, layers = out.outputs[0].hidden_states, None
+    if keep_layers is not None:  # the kept layers' columns, then the last layer's
+        cut = len(keep_layers) * model.arch.hidden_size
+        # zero at the last position, which never ran (as final_features)
+        layers = torch.cat([hidden[:, :cut], hidden.new_zeros(1, cut)]).half()
+        hidden = hidden[:, cut:]
+    features = final_features(model, hidden)
     tokens = prompt + answer
-    return Conversation(tokens, [(len(prompt), len(tokens))], features, temperature)
+    return Conversation(tokens, [(len(prompt), len(tokens))], features, temperature, layers)
 
 
 def _user_turn(llm, message: str) -> list[int]:
@@ -171,9 +189,26 @@ def _continued(tokens: list[int], turn: list[int]) -> list[int]:
     return tokens + turn
 
 
-def save_shard(directory: Path, index: int, conversations: list[Conversation], seconds: float):
+def layer_directory(split: Path, layers: tuple[int, ...]) -> Path:
+    """Where the kept outputs of ``layers`` lie beside a split's shards (one file per shard,
+    named as the shard: a list of [len, layers * d] float16, one per conversation)."""
+    return Path(split) / ("layers-" + "-".join(str(i) for i in layers))
+
+
+def save_layer_rows(split: Path, layers: tuple[int, ...], shard: str, rows: list[torch.Tensor]):
+    kept = layer_directory(split, layers)
+    kept.mkdir(parents=True, exist_ok=True)
+    partial = (kept / shard).with_suffix(".partial")
+    torch.save(rows, partial)
+    os.replace(partial, kept / shard)  # whole or absent: an interrupted run recomputes it
+
+
+def save_shard(directory: Path, index: int, conversations: list[Conversation], seconds: float,
+               keep_layers: tuple[int, ...] | None = None):  # fmt: skip
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"shard-{index:05d}.pt"
+    if keep_layers is not None:  # before the shard, which exists only once all of it does
+        save_layer_rows(directory, keep_layers, path.name, [c.layers for c in conversations])
     payload = {
         "tokens": [torch.tensor(c.tokens, dtype=torch.int32) for c in conversations],
         "spans": [c.spans for c in conversations],
@@ -229,7 +264,7 @@ def check_recipe(root: Path, recipe: Recipe) -> None:
 
 
 def build(llm, root: Path, recipe: Recipe, budget: int, held_out_shards: int = 1,
-          progress=None) -> int:  # fmt: skip
+          progress=None, keep_layers: tuple[int, ...] | None = None) -> int:  # fmt: skip
     """Shards of specserve's own requests under ``root``/train until they hold ``budget``
     answer tokens, and ``held_out_shards`` under ``root``/held_out (on subjects training
     never sees); returns the training split's answer tokens."""
@@ -239,11 +274,12 @@ def build(llm, root: Path, recipe: Recipe, budget: int, held_out_shards: int = 1
             return None
         return shard_requests(recipe, split, index)
 
-    return _build(llm, root, recipe, budget, requests_of, progress)
+    return _build(llm, root, recipe, budget, requests_of, progress, keep_layers)
 
 
 def build_from_file(llm, path: Path, root: Path, recipe: Recipe, budget: int,
-                    held_out: int | None = None, progress=None) -> int:  # fmt: skip
+                    held_out: int | None = None, progress=None,
+                    keep_layers: tuple[int, ...] | None = None) -> int:  # fmt: skip
     """Shards of the conversations in a JSONL file (``conversations_file``) under ``root``:
     the last ``held_out`` conversations held out (None: 5%, 1 to 64), the others for
     training, in order, until the file ends or the training split holds ``budget`` answer
@@ -267,21 +303,22 @@ def build_from_file(llm, path: Path, root: Path, recipe: Recipe, budget: int,
     def requests_of(split: str, index: int) -> list[Request] | None:
         return parts[split][index * size : (index + 1) * size] or None
 
-    return _build(llm, root, recipe, budget, requests_of, progress)
+    return _build(llm, root, recipe, budget, requests_of, progress, keep_layers)
 
 
-def _build(llm, root: Path, recipe: Recipe, budget: int, requests_of, progress) -> int:
+def _build(llm, root: Path, recipe: Recipe, budget: int, requests_of, progress,
+           keep_layers: tuple[int, ...] | None) -> int:  # fmt: skip
     check_recipe(root, recipe)
     index = 0
     while (requests := requests_of("held_out", index)) is not None:
-        _ensure_shard(llm, root / "held_out", recipe, "held_out", index, requests)
+        _ensure_shard(llm, root / "held_out", recipe, "held_out", index, requests, keep_layers)
         index += 1
     done = answer_tokens_in(root / "train")
     if progress is not None:
         progress(done)
     index = 0
     while done < budget and (requests := requests_of("train", index)) is not None:
-        made = _ensure_shard(llm, root / "train", recipe, "train", index, requests)
+        made = _ensure_shard(llm, root / "train", recipe, "train", index, requests, keep_layers)
         index += 1
         if made:
             done += made
@@ -291,13 +328,14 @@ def _build(llm, root: Path, recipe: Recipe, budget: int, requests_of, progress) 
 
 
 def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int,
-                  requests: list[Request]) -> int:  # fmt: skip
-    """Make shard ``index`` unless it exists; the answer tokens it added (0 if it existed)."""
+                  requests: list[Request], keep_layers: tuple[int, ...] | None) -> int:  # fmt: skip
+    """Make shard ``index`` unless it exists; the answer tokens it added (0 if it existed).
+    (An existing shard's layers are not made here: ``layer_cache`` computes those it lacks.)"""
     if (directory / f"shard-{index:05d}.pt").is_file():
         return 0
     started = time.perf_counter()
-    conversations = converse(llm, recipe, requests, (split, index))
-    save_shard(directory, index, conversations, time.perf_counter() - started)
+    conversations = converse(llm, recipe, requests, (split, index), keep_layers)
+    save_shard(directory, index, conversations, time.perf_counter() - started, keep_layers)
     return sum(c.answer_tokens for c in conversations)
 
 
