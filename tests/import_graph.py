@@ -42,6 +42,13 @@ def imports_of(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
             visit(child, inner)
 
     visit(tree, False)
+    # A lazy export table (a module-level __getattr__ that imports the modules it names):
+    # each module named by a string in it is imported too, when first used.
+    lazy = any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
+    if lazy:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and node.value in known:
+                found.append((node.value, node.lineno, True))
     return found
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.import_graph import REPO, cycles, graph, imports_of, modules
 
 
@@ -24,6 +26,35 @@ def test_the_runtime_never_imports_the_tooling():
         if target.split(".")[0] == "tooling"
     ]
     assert offending == []
+
+
+def test_the_tooling_reaches_the_engine_only_through_its_public_surface():
+    # `engine` (the offline API) and `engine.toolkit` (the names the tooling may use, each
+    # group with its reason): the rest of the engine may change without a look at tooling/.
+    mods = modules()
+    offending = [
+        f"{name}:{line} imports {target}"
+        for name, path in mods.items()
+        if name.split(".")[0] == "tooling"
+        for target, line, _ in imports_of(path, set(mods))
+        if target.split(".")[0] == "engine" and target not in ("engine", "engine.toolkit")
+    ]
+    assert offending == []
+
+
+def test_every_toolkit_name_resolves_to_the_engines_own():
+    import engine.toolkit
+    from engine.toolkit import EXPORTS
+
+    assert len(EXPORTS) > 30
+    for name, module in EXPORTS.items():
+        assert getattr(engine.toolkit, name) is not None, name
+        assert module in modules(), module  # the table names real modules (the graph sees them)
+    from engine.decoders.public_drafters import export
+
+    assert engine.toolkit.export_drafter is export
+    with pytest.raises(AttributeError, match="no attribute 'Scheduler'"):
+        engine.toolkit.Scheduler  # noqa: B018
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -5,20 +5,17 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.decoder_registry import trained_decoders
+from engine.toolkit import trained_decoders
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from engine.decoder_registry import decoder_spec
-    from engine.decoders.drafter_loading import load_drafter
-    from engine.decoders.public_drafters import export
-    from engine.llm import LLM
+    from engine.toolkit import LLM, decoder_spec, export_drafter, load_drafter
 
     model_args = {"model": args.model} if args.model else {}
     llm = LLM(**model_args, decoder={"load_shipped_drafters": False})
     network = decoder_spec(args.kind).network_class()
     drafter = load_drafter(args.drafter, args.kind, network, llm.engine.model)
-    export(drafter, llm.engine.model, args.layout, Path(args.output))
+    export_drafter(drafter, llm.engine.model, args.layout, Path(args.output))
     print(f"{args.output}: {args.kind} drafter in the {args.layout} layout")
     return 0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.decoder_registry import trained_decoders
+from engine.toolkit import trained_decoders
 from server.cli_generate import add_model_arguments, engine_config_from_args
 
 
@@ -40,7 +40,7 @@ def _common_options(args: argparse.Namespace) -> dict:
 
 def _training_llm(args: argparse.Namespace, batch: int = 64):
     """The target, alone (no decoder), with room for ``batch`` sequences at a time."""
-    from engine.llm import LLM
+    from engine.toolkit import LLM
 
     config = engine_config_from_args(args).with_overrides(
         decoder={"method": "autoregressive", "extra_methods": [], "load_shipped_drafters": False},
@@ -158,7 +158,7 @@ def _kept_layers(text: str | None, num_layers: int) -> tuple[int, ...] | None:
     if text is None:
         return None
     if text == "eagle3":
-        from engine.decoders.eagle3 import default_feature_layers
+        from engine.toolkit import default_feature_layers
 
         return tuple(default_feature_layers(num_layers))
     try:
@@ -217,7 +217,7 @@ def _add_data_parser(which) -> None:
 
 
 def _cmd_train_evaluate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
+    from engine.toolkit import LLM
     from tooling.training.train_eagle import evaluate_eagle, print_accuracies
     from tooling.training.train_eagle3 import evaluate_eagle3
 

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.llm import LLM
-from engine.models.gguf_weights import find_gguf
-from engine.sampling import SamplingParams
+from engine.toolkit import LLM, SamplingParams, find_gguf
 from tooling.bench.bench_llamacpp import LlamaCppFigures, llamacpp_baseline
 
 TOPICS = [
@@ -147,7 +145,7 @@ def hf_ttft(hf, prompt: list[int], repeats: int = 3) -> float:
 def hf_baseline(llm: LLM, prompts, max_tokens: int, prompt_len: int) -> list[float]:
     """The same three figures for transformers on the same weights (a GGUF dequantized to
     float32), dtype, device and prompts."""
-    from engine.models.loader import load_hf_model
+    from engine.toolkit import load_hf_model
 
     dtype = llm.engine.model.dtype
     hf = load_hf_model(llm.model_dir, dtype).to(llm.config.device)

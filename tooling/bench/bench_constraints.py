@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import EngineConfig
-from engine.constraints import ConstraintSpec
+from engine.toolkit import ConstraintSpec, EngineConfig
 
 # Schemas and documents written for this benchmark (no public benchmark data).
 SCHEMAS = {
@@ -98,7 +97,7 @@ def mask_timings(tokenizer, vocab_size: int, eos: list[int]) -> list[MaskTiming]
 
 
 def _llguidance_timing(tokenizer, vocab_size, eos, name, schema, ids) -> MaskTiming:
-    from engine.constraints.state import ConstraintFactory
+    from engine.toolkit import ConstraintFactory
 
     factory = ConstraintFactory(lambda: tokenizer, vocab_size, eos)
     factory.state(ConstraintSpec("json_schema", schema))  # the tokenizer, built once
@@ -225,9 +224,7 @@ def _parses(text: str) -> bool:
 
 
 def run_constraints_bench(config: EngineConfig, decoders: list[str], max_tokens: int) -> None:
-    from engine.engine import eos_token_ids_of
-    from engine.models.pull import resolve_model
-    from engine.tokenizer_files import load_tokenizer
+    from engine.toolkit import eos_token_ids_of, load_tokenizer, resolve_model
 
     model_dir = resolve_model(config.model)
     tokenizer = load_tokenizer(model_dir)

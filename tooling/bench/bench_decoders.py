@@ -23,12 +23,16 @@ from pathlib import Path
 import torch
 import yaml
 
-from engine.config import DecoderConfig, EngineConfig
-from engine.decoder_registry import DECODERS, LayerSkipConfig
-from engine.llm import LLM
-from engine.model_runner import ForwardItem
-from engine.sampling import SamplingParams
-from engine.speculation import SpecDecodeStats
+from engine.toolkit import (
+    DECODERS,
+    LLM,
+    DecoderConfig,
+    EngineConfig,
+    ForwardItem,
+    LayerSkipConfig,
+    SamplingParams,
+    SpecDecodeStats,
+)
 from tooling.bench.bench_report import (
     losing_reason,
     plot_decoder_bench,
@@ -374,7 +378,7 @@ def hf_methods(model_dir: Path, k: int, num_layers: int):
     """transformers' target (float32, our weights) and its generate() settings by row name."""
     import transformers
 
-    from engine.models.loader import load_hf_model
+    from engine.toolkit import load_hf_model
 
     transformers.logging.set_verbosity_error()  # the truncated copy's unused-weights notice
 

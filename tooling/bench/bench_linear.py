@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from engine.models.linear import ONEDNN_BATCH_HINT, onednn_available
+from engine.toolkit import ONEDNN_BATCH_HINT, onednn_available
 
 
 def _seconds(fn, repeats: int) -> float:
@@ -51,10 +51,14 @@ def bench_shape(out_features: int, in_features: int, rows: int, copies: int) -> 
 
 def run_stored_linear_bench(config) -> None:
     """The autotuner's measurement of every candidate on the model's stored weights."""
-    from engine.models.autotune import cpu_identity, measure_group, quantized_groups
-    from engine.models.loader import load_model
-    from engine.models.pull import resolve_model
-    from engine.thread_governor import ThreadGovernor
+    from engine.toolkit import (
+        ThreadGovernor,
+        cpu_identity,
+        load_model,
+        measure_group,
+        quantized_groups,
+        resolve_model,
+    )
 
     ThreadGovernor(config.num_threads)  # the thread count the engine would start with
     model, _ = load_model(resolve_model(config.model), torch.float32, "cpu", None)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.models.gguf_weights import find_gguf  # noqa: F401  (re-exported: the dir's GGUF)
+from engine.toolkit import find_gguf  # noqa: F401  (re-exported: the dir's GGUF)
 
 INSTALL_NOTE = "llama.cpp skipped: pip install 'specserve[bench]'"
 NO_GGUF_NOTE = "llama.cpp skipped: no single *.gguf in the model directory (pass --gguf PATH)"

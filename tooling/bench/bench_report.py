@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DecoderConfig
-from engine.decoder_registry import DECODERS
+from engine.toolkit import DECODERS, DecoderConfig
 
 
 def plot_speedups(

@@ -240,8 +240,7 @@ def run_serve_bench(
 ) -> None:
     """The same load against specserve (started here unless ``url`` is given) and then
     against ``transformers serve --continuous-batching``, one server at a time."""
-    from engine.models.pull import resolve_model
-    from engine.tokenizer_files import load_tokenizer
+    from engine.toolkit import load_tokenizer, resolve_model
 
     model_dir = str(resolve_model(model or "smollm2-135m-instruct"))
     tokenizer = load_tokenizer(Path(model_dir))
@@ -356,8 +355,7 @@ def run_concurrency_sweep(
     which is what a drafted step's several tokens in one chunk cost each of them. The last
     column sets the autoregressive load's rounds that ran second against those that ran first:
     identical decoding, so the noise any ratio of the row has to clear."""
-    from engine.models.pull import resolve_model
-    from engine.tokenizer_files import load_tokenizer
+    from engine.toolkit import load_tokenizer, resolve_model
 
     model_dir = str(resolve_model(model or "smollm2-135m-instruct"))
     tokenizer = load_tokenizer(Path(model_dir))

@@ -29,10 +29,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from engine.decoders.eagle import EagleNetwork
-from engine.llm import LLM
-from engine.models.draft_copies import dense_weight
-from engine.models.llama import rms_norm
+from engine.toolkit import LLM, EagleNetwork, dense_weight, rms_norm
 from tooling.training.epochs import TrainingRun, train_epochs
 from tooling.training.self_distillation import (
     FEATURES_FILE,

@@ -42,8 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from engine.config import DecoderConfig, EngineConfig
-from engine.llm import LLM
+from engine.toolkit import LLM, DecoderConfig, EngineConfig
 from tooling.bench.bench_decoders import (
     PROMPT_SETS,
     DecoderResult,

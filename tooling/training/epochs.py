@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.decoders.drafter_files import TrainedDrafter, target_signature
+from engine.toolkit import TrainedDrafter, target_signature
 from tooling.training.self_distillation import progress_bar
 
 CHECKPOINT_FILE = "checkpoint.pt"

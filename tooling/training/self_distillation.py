@@ -17,10 +17,13 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import SequenceSlice, build_attention_metadata
-from engine.kv_cache import KVCache
-from engine.models.llama import rms_norm
-from engine.sampling import SamplingParams
+from engine.toolkit import (
+    KVCache,
+    SamplingParams,
+    SequenceSlice,
+    build_attention_metadata,
+    rms_norm,
+)
 
 
 @dataclass

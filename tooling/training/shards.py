@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.sampling import SamplingParams
+from engine.toolkit import SamplingParams
 from tooling.training.prompt_mix import Request, request
 from tooling.training.self_distillation import FeatureSplit, final_features
 
@@ -362,7 +362,7 @@ def load_split(directory: Path, max_answer_tokens: int | None = None):
 def default_root(model_dir: Path, conversations: Path | None = None) -> Path:
     """Where a model's data set lives in the cache: its own requests' set, or one per
     conversations file (by name and content)."""
-    from engine.models.pull import cache_dir
+    from engine.toolkit import cache_dir
 
     base = cache_dir() / "training-data" / Path(str(model_dir)).name
     if conversations is None:
@@ -373,7 +373,7 @@ def default_root(model_dir: Path, conversations: Path | None = None) -> Path:
 
 def recipe_for(llm, **options) -> Recipe:
     """A recipe for ``llm``'s model (its shape and directory name identify it)."""
-    from engine.decoders.drafter_files import target_signature
+    from engine.toolkit import target_signature
 
     name = Path(str(llm.model_dir)).name
     return Recipe(target=target_signature(llm.engine.model) | {"model": name}, **options)

@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from engine.decoders.drafter_files import TrainedDrafter
-from engine.decoders.eagle import EagleNetwork
+from engine.toolkit import EagleNetwork, TrainedDrafter
 from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.self_distillation import (
@@ -202,7 +201,7 @@ def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, v
 
 
 def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
-    from engine.models.draft_copies import dense_weight
+    from engine.toolkit import dense_weight
 
     run = TrainingRun()
     torch.manual_seed(options.seed)
@@ -277,8 +276,7 @@ def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top
     """Held-out top-i accuracy per depth of an EAGLE drafter (a directory, or the one shipped
     for the model) on the held-out split of a ``specserve train data`` set: drafters trained
     on different data compared on the same unseen conversations."""
-    from engine.decoders.drafter_loading import load_drafter
-    from engine.models.linear import dense_weight
+    from engine.toolkit import dense_weight, load_drafter
     from tooling.training.shards import load_split
 
     model = llm.engine.model

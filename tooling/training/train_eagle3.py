@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-from engine.decoders.drafter_files import TrainedDrafter
-from engine.decoders.eagle3 import Eagle3Network, default_feature_layers
+from engine.toolkit import Eagle3Network, TrainedDrafter, default_feature_layers
 from tooling.training.data import shard_root, training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.layer_cache import cached_layer_features
@@ -60,7 +59,7 @@ def layer_features(model, sequences: list[list[int]], layers: tuple[int, ...], w
 def new_network(model, vocab: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Network:
     """A drafter whose head starts as the target's (final norm, LM head rows of the draft
     vocabulary) and whose ``fc`` starts by passing the highest fused layer through."""
-    from engine.models.draft_copies import dense_weight
+    from engine.toolkit import dense_weight
 
     arch = model.arch
     d = arch.hidden_size
@@ -78,7 +77,7 @@ def new_network(model, vocab: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Ne
 
 
 def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
-    from engine.models.draft_copies import dense_weight
+    from engine.toolkit import dense_weight
 
     run = TrainingRun()
     torch.manual_seed(options.seed)
@@ -145,8 +144,7 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
 
 def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: int = 4):
     """``evaluate_eagle`` for an EAGLE-3 drafter (ours, or one in the public layout)."""
-    from engine.decoders.drafter_loading import load_drafter
-    from engine.models.linear import dense_weight
+    from engine.toolkit import dense_weight, load_drafter
     from tooling.training.shards import load_split
 
     model = llm.engine.model

@@ -20,10 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.decoders.drafter_files import TrainedDrafter
-from engine.decoders.hydra import HydraHeads
-from engine.decoders.medusa import MedusaHeads
-from engine.decoders.trained_heads import rank_tree
+from engine.toolkit import HydraHeads, MedusaHeads, TrainedDrafter, rank_tree
 from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.self_distillation import answer_features
@@ -126,7 +123,7 @@ def top_accuracies(heads, readout, embed, features, inputs, targets, top_k: int,
 
 
 def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
-    from engine.models.draft_copies import dense_weight
+    from engine.toolkit import dense_weight
 
     run = TrainingRun()
     torch.manual_seed(options.seed)

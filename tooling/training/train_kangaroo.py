@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.decoders.drafter_files import TrainedDrafter
-from engine.decoders.kangaroo import KangarooAdapter
+from engine.toolkit import KangarooAdapter, TrainedDrafter
 from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.self_distillation import (
@@ -81,7 +80,7 @@ def _held_out_accuracy(adapter, model, readout, vocab, split, shallow, top_k) ->
 
 
 def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
-    from engine.models.draft_copies import dense_weight
+    from engine.toolkit import dense_weight
 
     run = TrainingRun()
     torch.manual_seed(options.seed)
