@@ -269,3 +269,21 @@ def test_train_data_keeps_layers_from_the_command_line(tiny_chat_model_dir, tmp_
     for split in ("train", "held_out"):
         kept = layer_directory(tmp_path / split, (1, 0))
         assert [p.name for p in kept.iterdir()] == [p.name for p in shard_paths(tmp_path / split)]
+
+
+def test_a_resumed_builds_rate_counts_only_its_own_tokens():
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from tooling.cli_train import _resumed
+
+    bar = tqdm(total=2_000_000, file=io.StringIO(), mininterval=0, miniters=1)
+    update = _resumed(bar)
+    update(1_000_000)  # made by earlier runs
+    time.sleep(0.05)
+    update(10)  # this run's first shard
+    assert bar.n == 1_000_010
+    # 10 tokens in >= 0.05 s is <= 200 tok/s; counting the earlier million would read far more
+    assert bar.format_dict["rate"] < 1000

@@ -145,7 +145,7 @@ def _resumed(bar):
         nonlocal first
         if first:
             first = False
-            bar.initial = bar.n = n
+            bar.initial = bar.n = bar.last_print_n = n
             bar.refresh()
         else:
             bar.update(n)
