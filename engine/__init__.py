@@ -3,7 +3,7 @@
 Exports resolve lazily so that light commands (``specserve pull``) do not import torch.
 """
 
-import importlib
+from engine.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "LLM": "engine.llm",
@@ -16,8 +16,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+__getattr__ = lazy_exports("engine", _EXPORTS)

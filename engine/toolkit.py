@@ -8,7 +8,7 @@ the tooling. Like ``engine``, the names resolve when first used, so that ``specs
 does not import torch.
 """
 
-import importlib
+from engine.lazy_exports import lazy_exports
 
 _GROUPS: dict[str, dict[str, str]] = {
     # Running a model as a user does: the offline API, its configuration and the model files.
@@ -78,8 +78,4 @@ _RENAMED = {"export_drafter": "export"}
 EXPORTS: dict[str, str] = {name: m for group in _GROUPS.values() for name, m in group.items()}
 __all__ = sorted(EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in EXPORTS:
-        return getattr(importlib.import_module(EXPORTS[name]), _RENAMED.get(name, name))
-    raise AttributeError(f"module 'engine.toolkit' has no attribute {name!r}")
+__getattr__ = lazy_exports("engine.toolkit", EXPORTS, _RENAMED)

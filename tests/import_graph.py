@@ -44,7 +44,11 @@ def imports_of(path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
     visit(tree, False)
     # A lazy export table (a module-level __getattr__ that imports the modules it names):
     # each module named by a string in it is imported too, when first used.
-    lazy = any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in tree.body)
+    lazy = any(
+        (isinstance(n, ast.FunctionDef) and n.name == "__getattr__")
+        or (isinstance(n, ast.Assign) and "__getattr__" in ast.unparse(n.targets[0]))
+        for n in tree.body
+    )
     if lazy:
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and node.value in known:

@@ -12,7 +12,7 @@ Exports resolve lazily: the API process checks specs and builds the vocabulary w
 importing torch, which only the matchers need.
 """
 
-import importlib
+from engine.lazy_exports import lazy_exports
 
 _EXPORTS = {
     "AllConstraints": "engine.constraints.state",
@@ -25,8 +25,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'engine.constraints' has no attribute {name!r}")
+__getattr__ = lazy_exports("engine.constraints", _EXPORTS)
