@@ -94,6 +94,23 @@ def test_stack_runs_layer_skips_and_captures_hidden_states(gguf_model):
         assert torch.equal(got_hidden, want_hidden)
 
 
+def test_stack_captures_several_layers_in_one_call(gguf_model):
+    # EAGLE-3's features: the outputs of several layers side by side, in the order asked,
+    # captured inside the one C++ call, equal to the Python layers'.
+    tokens = torch.randint(0, TINY_VOCAB, (16,), generator=torch.Generator().manual_seed(5))
+    last = gguf_model.arch.num_layers - 1
+    options = dict(hidden_layer=(last, 0, last), all_hidden=True)
+    with_stack, ran = run_steps(gguf_model, tokens, [12, 1, 3], use_stack=True, **options)
+    python, _ = run_steps(gguf_model, tokens, [12, 1, 3], use_stack=False, **options)
+    assert ran == [False, True, True]  # one stack call a step, not one per captured layer
+    d = gguf_model.arch.hidden_size
+    for (got, got_hidden), (want, want_hidden) in zip(with_stack, python, strict=True):
+        assert torch.equal(got, want)
+        assert got_hidden.shape[1] == 3 * d
+        assert torch.equal(got_hidden, want_hidden)
+        assert torch.equal(got_hidden[:, :d], got_hidden[:, 2 * d :])
+
+
 def test_a_plan_without_a_kernel_falls_back_to_python(gguf_model):
     layer = gguf_model.layers[0]
     part = layer.gate_up

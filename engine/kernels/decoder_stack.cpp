@@ -116,14 +116,16 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // Runs layers[layer_ids[i]] in order over hidden [T, hidden] (updated in place), skipping the
   // attention or MLP sublayer where attention[i] or mlp[i] is 0. kv_caches holds each layer's
-  // (k, v) cache, flattened. Returns hidden after layer ``capture`` (a copy), if it ran.
+  // (k, v) cache, flattened. Returns [T, captures.size() * hidden]: hidden after each layer of
+  // ``captures``, side by side in that order (EAGLE-3 reads three), when any is asked for;
+  // capturing inside one call saves a call and a concatenation per captured layer.
   std::optional<at::Tensor> forward(at::Tensor hidden, const at::Tensor& rope_factors,
                                     const at::Tensor& slot_mapping, std::vector<at::Tensor> kv_caches,
                                     const at::Tensor& query_index, const at::Tensor& kv_slots,
                                     const std::optional<at::Tensor>& mask,
                                     const std::optional<at::Tensor>& valid, double scale,
                                     std::vector<int64_t> layer_ids, std::vector<int64_t> attention,
-                                    std::vector<int64_t> mlp, int64_t capture) {
+                                    std::vector<int64_t> mlp, std::vector<int64_t> captures) {
     TORCH_CHECK(kv_caches.size() == 2 * layers_.size(), "one (k, v) cache pair per layer");
     TORCH_CHECK(attention.size() == layer_ids.size() && mlp.size() == layer_ids.size(),
                 "one attention and one MLP flag per layer run");
@@ -131,6 +133,10 @@ class DecoderStack : public torch::CustomClassHolder {
     const Ops& ops = Ops::get();
     const int64_t rows = hidden.size(0);
     std::optional<at::Tensor> captured;
+    const int64_t width = hidden.size(1);
+    size_t filled = 0;  // captures whose layer ran
+    if (!captures.empty())
+      captured = at::empty({rows, int64_t(captures.size()) * width}, hidden.options());
     for (size_t i = 0; i < layer_ids.size(); ++i) {
       const int64_t id = layer_ids[i];
       TORCH_CHECK(id >= 0 && id < int64_t(layers_.size()), "no layer ", id);
@@ -153,8 +159,13 @@ class DecoderStack : public torch::CustomClassHolder {
       } else if (delta.defined()) {
         hidden.add_(delta);
       }
-      if (id == capture) captured = hidden.clone();  // later layers update hidden in place
+      for (size_t j = 0; j < captures.size(); ++j) {
+        if (captures[j] != id) continue;
+        captured->narrow(1, int64_t(j) * width, width).copy_(hidden);  // later layers update hidden
+        ++filled;
+      }
     }
+    if (filled < captures.size()) return std::nullopt;  // a captured layer did not run
     return captured;
   }
 

@@ -100,13 +100,14 @@ class DecoderStack:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         attn: AttentionMetadata,
         layer_ids: Sequence[int] | None,
-        hidden_layer: int | None,
+        hidden_layer: int | tuple[int, ...] | None,
         skip_attention: frozenset[int],
         skip_mlp: frozenset[int],
     ) -> tuple[bool, torch.Tensor | None]:
         """Run the layers over ``hidden`` in place if the stack applies to this step.
 
-        Returns (whether it ran, hidden states after ``hidden_layer`` or None)."""
+        Returns (whether it ran, hidden states after ``hidden_layer`` or None); with a tuple
+        of layers, their outputs side by side, [T, len(layers) * d], in that order."""
         if len(attn.groups) != 1 or not isinstance(rope, torch.Tensor):
             return False, None
         group = attn.groups[0]
@@ -134,6 +135,12 @@ class DecoderStack:
             ids,
             [int(i not in skip_attention) for i in ids] if skip_attention else self._on(ids),
             [int(i not in skip_mlp) for i in ids] if skip_mlp else self._on(ids),
-            -1 if hidden_layer is None else hidden_layer,
+            _captures(hidden_layer),
         )
         return True, captured
+
+
+def _captures(hidden_layer: int | tuple[int, ...] | None) -> list[int]:
+    if hidden_layer is None:
+        return []
+    return [hidden_layer] if isinstance(hidden_layer, int) else list(hidden_layer)

@@ -327,23 +327,19 @@ class LlamaModel(nn.Module):
     def _run_capturing(self, hidden, rope, kv_caches, attn, layers: tuple[int, ...]):
         """All layers, keeping the output of each of ``layers`` (EAGLE-3 reads a low, a
         middle and a high one): [N, len(layers) * d], in the order ``layers`` names them.
-        The C++ stack runs the layers between two captures in one call where it applies."""
-        kept: dict[int, torch.Tensor] = {}
-        first, ran = 0, self.stack is not None
-        for last in sorted(set(layers)) + [len(self.layers) - 1]:
-            if first > last:
-                continue
-            segment = range(first, last + 1)
+        The C++ stack runs them all in one call, capturing as it goes, where it applies."""
+        if self.stack is not None:  # every layer in one call, capturing inside it
+            no_skips = frozenset()
+            ran, captured = self.stack.run(
+                hidden, rope, kv_caches, attn, None, tuple(layers), no_skips, no_skips
+            )
             if ran:
-                ran, _ = self.stack.run(
-                    hidden, rope, kv_caches, attn, segment, None, frozenset(), frozenset()
-                )
-            if not ran:  # (the stack decides per step shape, so from the first segment on)
-                for i in segment:
-                    hidden = self.layers[i](hidden, rope, kv_caches[i], attn)
-            if last in layers:
-                kept[last] = hidden.clone()  # later layers update ``hidden`` in place
-            first = last + 1
+                return hidden, captured
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, rope, kv_caches[i], attn)
+            if i in layers:
+                kept[i] = hidden.clone()  # later layers update ``hidden`` in place
         return hidden, torch.cat([kept[i] for i in layers], dim=-1)
 
     def _output(self, hidden, captured, logits_indices, compute_logits, all_hidden):
