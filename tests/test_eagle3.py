@@ -88,6 +88,43 @@ def test_paged_drafting_equals_the_unrolled_training_form(tiny_model_dir, drafte
         torch.testing.assert_close(scores, head, atol=2e-3, rtol=1e-3)
 
 
+def test_the_drafter_layer_runs_in_the_cpp_stack_as_in_python(tiny_model_dir, drafter_dir):
+    # int8 projections in the kernels' layout: the layer runs in one C++ call whose q/k/v
+    # read the entry ([norm(embedding); norm(feature)]) and whose residual is the feature.
+    llm = eagle3_llm(tiny_model_dir, drafter_dir)
+    engine = llm.engine
+    drafter = engine.speculator.decoders["eagle3"].drafter
+    assert drafter.stack is not None
+    engine.add_request("r", PROMPTS[3][:20], SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    (seq,) = engine.scheduler.running
+    drafter.begin_round(seq)
+    drafter.forward([seq], {seq: []}, {seq: 1})  # the prompt's entries (a long run: Python)
+    log = drafter._logs[seq]
+    start, guess, guess_position = drafter._states[seq].num_cached, log.guess, log.guess_position
+    calls = []
+    run = drafter.stack.run
+
+    def spy(*args, **kwargs):
+        calls.append(run(*args, **kwargs)[0])
+        return calls[-1], None
+
+    drafter.stack.run = spy
+    outputs = {}
+    for use_stack in (True, False):
+        # the same entries again, on the same cache, from the same guess
+        drafter._states[seq].num_cached = start
+        log.guess, log.guess_position = guess, guess_position
+        stack = drafter.stack
+        drafter.stack = stack if use_stack else None
+        try:
+            outputs[use_stack] = drafter.forward([seq], {seq: [17, 23]}, {seq: 3}, compact=True)
+        finally:
+            drafter.stack = stack
+    assert calls == [True]
+    torch.testing.assert_close(outputs[True], outputs[False], atol=1e-4, rtol=1e-4)
+
+
 def test_the_decoder_asks_for_its_layers_and_eagle_for_the_last(tiny_model_dir, drafter_dir):
     llm = eagle3_llm(tiny_model_dir, drafter_dir)
     spec = llm.engine.speculator

@@ -28,6 +28,7 @@ from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle import EagleDecoder, EagleDrafter, trainable_layer
 from engine.decoders.windows import build_window
+from engine.models.decoder_stack import DecoderStack
 from engine.models.llama import DecoderLayer, rms_norm, rms_norm_rows
 
 if TYPE_CHECKING:
@@ -155,7 +156,9 @@ class Eagle3Drafter(EagleDrafter):
             norm(network.post_attention_norm), projection(network.gate_up),
             projection(network.down),
         )  # fmt: skip
-        self.stack = None  # the C++ stack runs layers whose attention reads the residual
+        # The layer in one C++ call, its q/k/v read from ``entry`` (as EAGLE's layer does).
+        entry_given = DecoderStack.usable([self.layer], entry_given=True)
+        self.stack = DecoderStack([self.layer]) if entry_given else None
         # The head's rows follow the drafter's vocabulary as trained; the drafting loop keeps
         # it ascending (``set_draft_vocabulary``), so the rows are put in that order too.
         order = draft_vocab.argsort().to(network.lm_head.weight.device)
@@ -177,6 +180,13 @@ class Eagle3Drafter(EagleDrafter):
 
     def _run_layer(self, embeddings, features, rope, attn) -> torch.Tensor:
         x, residual = self.entry(embeddings, features)
+        if self.stack is not None:
+            hidden = residual.clone()  # the stack updates it in place; the log keeps its own
+            no_skips = frozenset()
+            ran, _ = self.stack.run(hidden, rope, self.kv_cache.layers, attn, None, None,
+                                    no_skips, no_skips, qkv_input=x)  # fmt: skip
+            if ran:
+                return hidden
         q, k, v = self.layer.attention_inputs(x, rope)
         return self.layer.finish(residual, paged_attention(q, k, v, self.kv_cache.layers[0], attn))
 

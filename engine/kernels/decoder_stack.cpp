@@ -118,14 +118,17 @@ class DecoderStack : public torch::CustomClassHolder {
   // attention or MLP sublayer where attention[i] or mlp[i] is 0. kv_caches holds each layer's
   // (k, v) cache, flattened. Returns [T, captures.size() * hidden]: hidden after each layer of
   // ``captures``, side by side in that order (EAGLE-3 reads three), when any is asked for;
-  // capturing inside one call saves a call and a concatenation per captured layer.
+  // capturing inside one call saves a call and a concatenation per captured layer. With
+  // ``qkv_input``, the first layer's q/k/v are projected from it rather than from the normed
+  // hidden (which stays the residual).
   std::optional<at::Tensor> forward(at::Tensor hidden, const at::Tensor& rope_factors,
                                     const at::Tensor& slot_mapping, std::vector<at::Tensor> kv_caches,
                                     const at::Tensor& query_index, const at::Tensor& kv_slots,
                                     const std::optional<at::Tensor>& mask,
                                     const std::optional<at::Tensor>& valid, double scale,
                                     std::vector<int64_t> layer_ids, std::vector<int64_t> attention,
-                                    std::vector<int64_t> mlp, std::vector<int64_t> captures) {
+                                    std::vector<int64_t> mlp, std::vector<int64_t> captures,
+                                    const std::optional<at::Tensor>& qkv_input) {
     TORCH_CHECK(kv_caches.size() == 2 * layers_.size(), "one (k, v) cache pair per layer");
     TORCH_CHECK(attention.size() == layer_ids.size() && mlp.size() == layer_ids.size(),
                 "one attention and one MLP flag per layer run");
@@ -143,7 +146,11 @@ class DecoderStack : public torch::CustomClassHolder {
       const Layer& layer = layers_[id];
       at::Tensor delta;
       if (attention[i]) {
-        const at::Tensor qkv = run(ops, layer.qkv, ops.rms_norm.call(hidden, layer.input_norm, eps_), rows);
+        // The first layer's attention may read an input of its own (EAGLE-3: the normed
+        // embedding and feature side by side) instead of the normed residual stream.
+        const at::Tensor x = i == 0 && qkv_input.has_value()
+            ? *qkv_input : ops.rms_norm.call(hidden, layer.input_norm, eps_);
+        const at::Tensor qkv = run(ops, layer.qkv, x, rows);
         auto [q, k, v] = ops.rope_write_kv.call(qkv, rope_factors, slot_mapping, kv_caches[2 * id],
                                                 kv_caches[2 * id + 1], num_heads_, num_kv_heads_);
         at::Tensor out = at::empty(q.sizes(), q.options());

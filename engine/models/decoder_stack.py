@@ -60,11 +60,21 @@ class DecoderStack:
         self._all_on = [1] * len(layers)
 
     @staticmethod
-    def usable(layers: Sequence[nn.Module]) -> bool:
+    def usable(layers: Sequence[nn.Module], entry_given: bool = False) -> bool:
+        """Whether the stack can run these layers; ``entry_given``: the first layer's q/k/v
+        input always comes from the caller (``run(qkv_input=...)``), so it needs no input
+        norm of its own."""
+
+        def fused(layer) -> bool:
+            if entry_given and layer is layers[0] and layer.input_norm is None:
+                norm = layer.post_attention_norm
+                return norm.device.type == "cpu" and norm.dtype == torch.float32
+            return getattr(layer, "fused_ops", False)
+
         return (
             len(layers) > 0
             and load_kernels()
-            and all(getattr(layer, "fused_ops", False) for layer in layers)
+            and all(fused(layer) for layer in layers)
             and all(_parts(getattr(layer, slot)) is not None for layer in layers for slot in _SLOTS)
         )
 
@@ -75,7 +85,9 @@ class DecoderStack:
             arch.num_heads, arch.num_kv_heads, float(arch.rms_norm_eps)
         )
         for layer in self.layers:
-            index = stack.add_layer(layer.input_norm, layer.post_attention_norm)
+            # (a first layer without an input norm reads ``qkv_input``: the norm goes unused)
+            norm = layer.input_norm if layer.input_norm is not None else layer.post_attention_norm
+            index = stack.add_layer(norm, layer.post_attention_norm)
             for slot, name in enumerate(_SLOTS):
                 for part in _parts(getattr(layer, name)):
                     limits, isas = _kernel_plan(part)
@@ -103,11 +115,14 @@ class DecoderStack:
         hidden_layer: int | tuple[int, ...] | None,
         skip_attention: frozenset[int],
         skip_mlp: frozenset[int],
+        qkv_input: torch.Tensor | None = None,
     ) -> tuple[bool, torch.Tensor | None]:
         """Run the layers over ``hidden`` in place if the stack applies to this step.
 
         Returns (whether it ran, hidden states after ``hidden_layer`` or None); with a tuple
-        of layers, their outputs side by side, [T, len(layers) * d], in that order."""
+        of layers, their outputs side by side, [T, len(layers) * d], in that order.
+        ``qkv_input`` [T, in]: what the first layer's q/k/v are projected from, instead of
+        its input norm of ``hidden`` (EAGLE-3's layer)."""
         if len(attn.groups) != 1 or not isinstance(rope, torch.Tensor):
             return False, None
         group = attn.groups[0]
@@ -136,6 +151,7 @@ class DecoderStack:
             [int(i not in skip_attention) for i in ids] if skip_attention else self._on(ids),
             [int(i not in skip_mlp) for i in ids] if skip_mlp else self._on(ids),
             _captures(hidden_layer),
+            qkv_input,
         )
         return True, captured
 
