@@ -30,6 +30,8 @@ def _common_options(args: argparse.Namespace) -> dict:
         "draft_vocab_size": args.draft_vocab,
         "epochs": args.epochs,
         "learning_rate": args.learning_rate,
+        "lr_schedule": args.lr_schedule,
+        "precision": args.precision,
         "seed": args.seed,
         "resume": args.resume,
         "prompts": prompts,
@@ -384,5 +386,19 @@ def _add_common_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="of the answers (0: greedy)")
     p.add_argument("--draft-vocab", type=int, default=4096, help="draft vocabulary size")
     p.add_argument("--learning-rate", type=float, default=1e-3)
+    p.add_argument(
+        "--lr-schedule",
+        choices=("constant", "cosine"),
+        default="constant",
+        help="the learning rate over the run: constant, or cosine decay to zero (for a run's "
+        "last pass; checkpoints within epochs keep its place)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="of the training passes (the weights stay float32): bfloat16 autocast, or auto "
+        "(the default): whichever a timed batch finds faster on this machine",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --output")

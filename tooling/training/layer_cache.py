@@ -26,7 +26,7 @@ def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: in
             break
         cache = kept / path.name
         if cache.is_file():
-            shard = torch.load(cache, weights_only=True)
+            shard = torch.load(cache, weights_only=True, mmap=True)  # as load_shard: mapped
             if progress is not None:
                 progress(len(shard))
         else:
@@ -36,5 +36,6 @@ def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: in
                 for r in sequence_features(model, sequences, progress=progress, layer=layers)
             ]
             save_layer_rows(Path(split), layers, path.name, shard)
+            shard = torch.load(cache, weights_only=True, mmap=True)  # the file's pages, not ours
         rows += shard
     return rows[:count]

@@ -26,7 +26,7 @@ from torch.nn import functional as F
 
 from engine.toolkit import EagleNetwork, TrainedDrafter
 from tooling.training.data import training_splits
-from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.epochs import TrainingRun, curve_recorder, train_epochs, write_drafter
 from tooling.training.self_distillation import (
     FeatureSplit,
     answer_mask,
@@ -51,6 +51,8 @@ class EagleTrainOptions:
     epochs: int = 3
     batch_size: int = 8  # sequences per step
     learning_rate: float = 1e-3
+    lr_schedule: str = "constant"  # or "cosine": decays to zero over the run
+    precision: str = "float32"  # of the training passes: bfloat16 (autocast) or "auto"
     feature_noise: float = 0.05  # std of the Gaussian added to input features, per their std
     input_norm: bool = True  # False: EAGLE-1's layout (no norm before attention), exportable
     generation_batch: int = 32
@@ -89,7 +91,7 @@ def padded_rope(model):
     return rope_of
 
 
-CURVE_START, CURVE_SAMPLE = 50_000, 96  # first milestone (answer tokens); held-out sample
+CURVE_SAMPLE = 96  # held-out conversations the learning curve measures on
 
 
 def _first(split: FeatureSplit, count: int) -> FeatureSplit:
@@ -232,23 +234,15 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
 
     held_out = splits["held_out"]
     sample = _first(held_out, CURVE_SAMPLE)
-    milestone, seen = [CURVE_START], [0]
-
-    def after_step(batch: list[int]) -> None:
-        """The learning curve: top-1 held-out accuracy per depth whenever the answer tokens
-        trained on pass the next milestone (doubling), on a sample of the held-out split."""
-        seen[0] += sum(train.answer_tokens(i) for i in batch)
-        if seen[0] < milestone[0]:
-            return
-        while milestone[0] <= seen[0]:
-            milestone[0] *= 2
+    def curve_point() -> list[float]:
+        """Top-1 held-out accuracy per depth on a sample of the held-out split."""
         rows = held_out_accuracies(
             network, rope_of, sample, model.embed, readout, vocab, arch.vocab_size,
             options.depth, 1,
         )  # fmt: skip
-        top1 = [round(row[0], 4) for row in rows]
-        run.learning_curve.append((seen[0], top1))
-        print(f"\nafter {seen[0]:,} answer tokens: held-out top-1 by depth {top1}")
+        return [round(row[0], 4) for row in rows]
+
+    after_step = curve_recorder(run, lambda b: sum(train.answer_tokens(i) for i in b), curve_point)
 
     train_epochs(
         network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step

@@ -22,12 +22,11 @@ import torch
 
 from engine.toolkit import Eagle3Network, TrainedDrafter, default_feature_layers
 from tooling.training.data import shard_root, training_splits
-from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.epochs import TrainingRun, curve_recorder, train_epochs, write_drafter
 from tooling.training.layer_cache import cached_layer_features
 from tooling.training.self_distillation import padded, progress_bar, sequence_features
 from tooling.training.train_eagle import (
     CURVE_SAMPLE,
-    CURVE_START,
     EagleTrainOptions,
     _batch,
     _first,
@@ -114,7 +113,6 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
         return sum(_losses(outputs, features, readout, answer, False, network.logits))
 
     sample = _first(held_out, CURVE_SAMPLE)
-    milestone, seen = [CURVE_START], [0]
 
     def accuracies(split, top_k: int) -> list[list[float]]:
         return held_out_accuracies(
@@ -123,16 +121,11 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
             head=network.logits,
         )  # fmt: skip
 
-    def after_step(batch: list[int]) -> None:
-        """The learning curve (as EAGLE's): held-out top-1 by depth as answer tokens double."""
-        seen[0] += sum(train.answer_tokens(i) for i in batch)
-        if seen[0] < milestone[0]:
-            return
-        while milestone[0] <= seen[0]:
-            milestone[0] *= 2
-        top1 = [round(row[0], 4) for row in accuracies(sample, 1)]
-        run.learning_curve.append((seen[0], top1))
-        print(f"\nafter {seen[0]:,} answer tokens: held-out top-1 by depth {top1}")
+    after_step = curve_recorder(
+        run,
+        lambda batch: sum(train.answer_tokens(i) for i in batch),
+        lambda: [round(row[0], 4) for row in accuracies(sample, 1)],
+    )
 
     train_epochs(
         network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step

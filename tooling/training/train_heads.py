@@ -42,6 +42,8 @@ class HeadsTrainOptions:
     epochs: int = 4
     batch_size: int = 256
     learning_rate: float = 1e-3
+    lr_schedule: str = "constant"  # or "cosine": decays to zero over the run
+    precision: str = "float32"  # of the training passes: bfloat16 (autocast) or "auto"
     generation_batch: int = 32
     seed: int = 0
     resume: bool = False

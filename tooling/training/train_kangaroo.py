@@ -43,6 +43,8 @@ class KangarooTrainOptions:
     epochs: int = 3
     batch_size: int = 8  # sequences per step
     learning_rate: float = 1e-3
+    lr_schedule: str = "constant"  # or "cosine": decays to zero over the run
+    precision: str = "float32"  # of the training passes: bfloat16 (autocast) or "auto"
     generation_batch: int = 32
     seed: int = 0
     resume: bool = False
