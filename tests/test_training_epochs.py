@@ -93,7 +93,7 @@ def test_cosine_schedule_reaches_the_optimizer(tmp_path):
 
     train_epochs(network, optimizer, _options(tmp_path, epochs=1), 40, recording)
     assert seen[0] == pytest.approx(0.05)
-    assert all(a > b for a, b in zip(seen, seen[1:]))
+    assert all(a > b for a, b in zip(seen, seen[1:], strict=False))
     assert seen[-1] < 0.05 * 0.05
 
 
