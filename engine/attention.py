@@ -65,6 +65,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     groups: list[AttentionGroup]
     scale: float
+    # Every group reads the cache through the C++ kernel, which computes each query row on its
+    # own: a row's result then does not depend on the step (engine/batch_invariance.py).
+    invariant: bool = False
 
 
 def slots_for_positions(
@@ -81,19 +84,25 @@ def build_attention_metadata(
     head_dim: int,
     device: torch.device,
     sliding_window: int | None = None,
+    invariant: bool = False,
 ) -> AttentionMetadata:
     """Plan the attention of one step (slot writes and query groups) on the CPU.
 
     With ``sliding_window`` W (Mistral), a query at position p sees keys in (p - W, p].
+    ``invariant``: every group reads its keys back from the cache, fresh prefills too (see
+    ``AttentionMetadata.invariant``).
     """
     if _all_short_chains(slices) and load_kernels():
-        return _chain_plan_in_cpp(slices, block_size, head_dim, device, sliding_window)
+        attn = _chain_plan_in_cpp(slices, block_size, head_dim, device, sliding_window)
+        attn.invariant = invariant
+        return attn
     short, groups = [], []
     row = 0
     for s in slices:
         rows = torch.arange(row, row + s.num_new)
         # A tree always reads its keys back from the cache, with its own mask (_tree_visible).
-        if s.num_cached == 0 and s.num_new > 1 and s.tree_parents is None:
+        fresh = s.num_cached == 0 and s.num_new > 1 and s.tree_parents is None
+        if fresh and not invariant:
             groups.append(_fresh_prefill_group(rows, sliding_window))
         elif s.num_new <= SHORT_QUERY_LIMIT:
             short.append((s, rows))
@@ -107,7 +116,7 @@ def build_attention_metadata(
         g.whole_batch = torch.equal(g.query_index.flatten(), torch.arange(row))
     slot_mapping = _new_token_slots(slices, block_size)
     groups = [_to_device(g, device) for g in groups]
-    return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5)
+    return AttentionMetadata(slot_mapping.to(device), groups, head_dim**-0.5, invariant)
 
 
 def _all_short_chains(slices: Sequence[SequenceSlice]) -> bool:
@@ -313,7 +322,8 @@ def paged_attention(
         v_cache.index_copy_(0, attn.slot_mapping, v)
     out = None if attn.groups[0].whole_batch else q.new_empty(q.shape)
     for g in attn.groups:
-        if cpu_kernel and g.kv_slots is not None and g.query_index.shape[1] <= SHORT_QUERY_LIMIT:
+        short = g.query_index.shape[1] <= SHORT_QUERY_LIMIT
+        if (attn.invariant or (cpu_kernel and short)) and g.kv_slots is not None:
             if out is None:
                 out = q.new_empty(q.shape)
             torch.ops.specserve.cached_attention(

@@ -178,6 +178,11 @@ class EngineConfig(_Strict):
     # On a GPU: run every step eagerly instead of replaying CUDA graphs of decode and
     # verification steps (vLLM's flag; for debugging and for comparing the two).
     enforce_eager: bool = False
+    # Every row's logits independent of the rest of its step (batch mates, verification width,
+    # prefill chunks): speculative decoding then equals plain decoding bit for bit, not only
+    # where no two logits lie within rounding of each other. Float32 on the CPU; costs speed
+    # where the fastest products are not invariant (engine/batch_invariance.py).
+    batch_invariant: bool = False
     # Threads of the products. None (auto): every core while the cores are free, one fewer per
     # core other processes keep busy (engine/thread_governor.py). A number fixes it.
     num_threads: int | None = Field(None, ge=1)

@@ -74,6 +74,8 @@ class Engine:
         self.constraints: ConstraintFactory | None = None
         self.threads = threads  # None: torch's thread count is left as it is
         self.model = model
+        if config.batch_invariant:
+            make_batch_invariant_or_refuse(model, config)
         arch = model.arch
         self.max_model_len = min(
             config.scheduler.max_model_len or arch.max_position_embeddings,
@@ -619,6 +621,18 @@ def _as_id_set(value) -> set[int]:
     if value is None:
         return set()
     return {int(v) for v in value} if isinstance(value, (list, tuple)) else {int(value)}
+
+
+def make_batch_invariant_or_refuse(model: LlamaModel, config: EngineConfig) -> None:
+    """``config.batch_invariant``: every row computed as it would be alone, or a clear
+    refusal at start where this configuration cannot promise it."""
+    from engine.batch_invariance import make_batch_invariant, unsupported_reason
+    from engine.kernels.build import load_kernels
+
+    reason = unsupported_reason(config.device, config.dtype, load_kernels())
+    if reason is not None:
+        raise ValueError(reason)
+    make_batch_invariant(model, config.scheduler.max_num_batched_tokens)
 
 
 def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):

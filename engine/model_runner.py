@@ -126,8 +126,9 @@ class ModelRunner:
             row += n
         arch = self.model.arch
         attn = build_attention_metadata(
-            slices, self.kv_cache.block_size, arch.head_dim, self.device, arch.sliding_window
-        )
+            slices, self.kv_cache.block_size, arch.head_dim, self.device, arch.sliding_window,
+            invariant=self.model.batch_invariant,
+        )  # fmt: skip
         return FlatBatch(
             torch.tensor(input_ids, device=self.device),
             torch.tensor(positions, device=self.device),

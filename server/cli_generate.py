@@ -34,6 +34,13 @@ def add_model_arguments(p: argparse.ArgumentParser, decoder_choices: bool = True
         help="on a GPU, run every step eagerly instead of replaying CUDA graphs",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        default=None,
+        help="compute every row as it would be alone in its step: speculative output equals "
+        "plain decoding bit for bit (float32 on the CPU; may cost speed)",
+    )
+    p.add_argument(
         "--dtype",
         choices=["float32", "bfloat16", "float16"],
         help="activations' and dense weights' dtype (default float32, the exact one; "
@@ -93,6 +100,8 @@ def engine_config_from_args(args: argparse.Namespace):
         overrides["device"] = args.device
     if getattr(args, "enforce_eager", None):
         overrides["enforce_eager"] = True
+    if getattr(args, "batch_invariant", None):
+        overrides["batch_invariant"] = True
     if getattr(args, "dtype", None):
         overrides["dtype"] = args.dtype
     if getattr(args, "threads", None):

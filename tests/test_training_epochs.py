@@ -76,9 +76,7 @@ def test_interrupted_within_an_epoch_resumes_to_the_same_network(tmp_path, monke
     assert (state["epoch"], state["step"]) == (1, 3)
 
     network, optimizer, loss_of = _problem()  # a new process: fresh network and optimizer
-    run = train_epochs(
-        network, optimizer, _options(tmp_path / "broken", resume=True), 40, loss_of
-    )
+    run = train_epochs(network, optimizer, _options(tmp_path / "broken", resume=True), 40, loss_of)
     assert run.first_epoch == 1
     assert torch.equal(network.weight.detach(), whole)
 

@@ -215,43 +215,59 @@ __attribute__((always_inline)) inline void weigh_values_grouped(const float* p, 
 // head sharing that KV head, attends to its visible keys. Head sizes of 64 and 128 take the
 // vector paths; V is the build's vector (see Lanes16 above) and G its heads per value pass,
 // as many as leave half the registers to the sums (AVX-512: 32 registers, AVX2: 16).
+//
+// A masked row first gathers its visible keys' slots into `kept` and attends to that list: the
+// softmax's sums then run over exactly the keys the row sees, in order, so the row's result
+// depends on those keys alone, not on how many hidden ones pad its step (a decode row, the same
+// token verified among others, and a tree's branch give bitwise the same output; with the
+// padding inside the sums, their lane order shifted with the padded length).
 template <typename V, int G64, int G128>
 __attribute__((always_inline)) inline void attend(const float* q, const float* k_cache,
                                                   const float* v_cache, const int64_t* rows,
-                                                  const int64_t* slots, const bool* mask,
+                                                  const int64_t* all_slots, const bool* mask,
                                                   const bool* valid, Geometry g, int64_t kvh,
-                                                  float scale, float* out, float* scores) {
-  constexpr int W = lanes<V>();
-  const int64_t D = g.dim, group = g.heads / g.kv_heads, L = g.keys;
+                                                  float scale, float* out, float* scores,
+                                                  int64_t* kept) {
+  const int64_t D = g.dim, group = g.heads / g.kv_heads;
   for (int64_t j = 0; j < g.queries; ++j) {
     if (valid && !valid[j]) continue;
-    const bool* visible = mask ? mask + j * L : nullptr;
+    const int64_t* slots = all_slots;
+    int64_t L = g.keys;
+    if (mask) {
+      const bool* visible = mask + j * g.keys;
+      L = 0;
+      for (int64_t l = 0; l < g.keys; ++l)
+        if (visible[l]) kept[L++] = all_slots[l];
+      slots = kept;
+    }
     const float* qr = q + (rows[j] * g.heads + kvh * group) * D;  // the group's heads, adjacent
     float* o = out + (rows[j] * g.heads + kvh * group) * D;
+    if (L == 0) {  // no visible key (a padding row): zeros, as SDPA gives no defined value
+      std::fill(o, o + group * D, 0.f);
+      continue;
+    }
     if (D == 64) {
-      score_keys<V, 64 / W>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
+      score_keys<V, 64 / lanes<V>()>(qr, group, k_cache, slots, nullptr, g.kv_heads, kvh, L, scale, scores);
     } else if (D == 128) {
-      score_keys<V, 128 / W>(qr, group, k_cache, slots, visible, g.kv_heads, kvh, L, scale, scores);
+      score_keys<V, 128 / lanes<V>()>(qr, group, k_cache, slots, nullptr, g.kv_heads, kvh, L, scale, scores);
     } else {
       for (int64_t h = 0; h < group; ++h)
         for (int64_t l = 0; l < L; ++l) {
           const float* kr = k_cache + (slots[l] * g.kv_heads + kvh) * D;
-          scores[h * L + l] = visible && !visible[l] ? -std::numeric_limits<float>::infinity()
-                                                     : dot(qr + h * D, kr, D) * scale;
+          scores[h * L + l] = dot(qr + h * D, kr, D) * scale;
         }
     }
     for (int64_t h = 0; h < group; ++h) softmax_in_place<V>(scores + h * L, L);
     if (D == 64) {
-      weigh_values_grouped<V, 64 / W, G64>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
+      weigh_values_grouped<V, 64 / lanes<V>(), G64>(scores, v_cache, slots, nullptr, g.kv_heads, kvh, L, group, o);
     } else if (D == 128) {
-      weigh_values_grouped<V, 128 / W, G128>(scores, v_cache, slots, visible, g.kv_heads, kvh, L, group, o);
+      weigh_values_grouped<V, 128 / lanes<V>(), G128>(scores, v_cache, slots, nullptr, g.kv_heads, kvh, L, group, o);
     } else {
       std::fill(o, o + group * D, 0.f);
       for (int64_t h = 0; h < group; ++h) {
         const float* p = scores + h * L;
         float* oh = o + h * D;
         for (int64_t l = 0; l < L; ++l) {
-          if (visible && !visible[l]) continue;  // never read: its slot may hold anything
           const float* vr = v_cache + (slots[l] * g.kv_heads + kvh) * D;
           for (int64_t d = 0; d < D; ++d) oh[d] += p[l] * vr[d];
         }
@@ -261,26 +277,27 @@ __attribute__((always_inline)) inline void attend(const float* q, const float* k
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, const int64_t*,
-                          const bool*, const bool*, Geometry, int64_t, float, float*, float*);
+                          const bool*, const bool*, Geometry, int64_t, float, float*, float*,
+                          int64_t*);
 
 __attribute__((target("avx512f")))
 void attend_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
                    const int64_t* slots, const bool* mask, const bool* valid, Geometry g, int64_t kvh,
-                   float scale, float* out, float* scores) {
-  attend<Lanes16, 4, 2>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores);
+                   float scale, float* out, float* scores, int64_t* kept) {
+  attend<Lanes16, 4, 2>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores, kept);
 }
 
 __attribute__((target("avx2,fma")))
 void attend_avx2(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
                  const int64_t* slots, const bool* mask, const bool* valid, Geometry g, int64_t kvh,
-                 float scale, float* out, float* scores) {
-  attend<Lanes8, 1, 1>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores);
+                 float scale, float* out, float* scores, int64_t* kept) {
+  attend<Lanes8, 1, 1>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores, kept);
 }
 
 void attend_baseline(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
                      const int64_t* slots, const bool* mask, const bool* valid, Geometry g, int64_t kvh,
-                     float scale, float* out, float* scores) {
-  attend<Lanes8, 1, 1>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores);
+                     float scale, float* out, float* scores, int64_t* kept) {
+  attend<Lanes8, 1, 1>(q, k_cache, v_cache, rows, slots, mask, valid, g, kvh, scale, out, scores, kept);
 }
 
 // The widest build this CPU runs, chosen once.
@@ -324,12 +341,13 @@ void cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   static const AttendFn attend_here = attend_for_this_cpu();
   at::parallel_for(0, members * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g.heads / g.kv_heads * g.keys);
+    std::vector<int64_t> kept(m ? g.keys : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t i = t / g.kv_heads, kvh = t % g.kv_heads;
       attend_here(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                   rows + i * g.queries, slots + i * g.keys, m ? m + i * g.queries * g.keys : nullptr,
                   ok ? ok + i * g.queries : nullptr, g, kvh, float(scale), out.data_ptr<float>(),
-                  scores.data());
+                  scores.data(), kept.data());
     }
   });
 }

@@ -99,7 +99,7 @@ def _cache_file() -> Path:
     return cache_dir() / "autotune" / "products.json"
 
 
-def _cache_key(key: str, names: list[str]) -> str:
+def measurement_key(key: str, names: list[str]) -> str:
     """Measurements hold for this procedure, CPU, torch, thread count and shape, and for these
     candidates built from this kernel source (a new or changed kernel is measured again)."""
 
@@ -111,14 +111,14 @@ def _cache_key(key: str, names: list[str]) -> str:
     )
 
 
-def _load_cache() -> dict:
+def load_measurements() -> dict:
     try:
         return json.loads(_cache_file().read_text())
     except (OSError, ValueError):
         return {}
 
 
-def _save_cache(cache: dict) -> None:
+def save_measurements(cache: dict) -> None:
     path = _cache_file()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -215,10 +215,10 @@ def autotune(model: nn.Module, force: bool = False) -> list[GroupResult]:
     groups = quantized_groups(model)
     if not groups or (os.environ.get("SPECSERVE_AUTOTUNE") == "0" and not force):
         return []
-    cache, measured = _load_cache(), []
+    cache, measured = load_measurements(), []
     for key, layers in groups.items():
         available = candidates(layers[0].stored.codes.device)
-        cache_key = _cache_key(key, list(available))
+        cache_key = measurement_key(key, list(available))
         # The key names every candidate, so a cached plan only names products we have.
         cached = None if force else cache.get(cache_key)
         if cached is None:
@@ -229,5 +229,5 @@ def autotune(model: nn.Module, force: bool = False) -> list[GroupResult]:
         for layer in layers:
             layer.set_plan([(int(rows), name) for rows, name in cached])
     if measured:
-        _save_cache(cache)
+        save_measurements(cache)
     return measured

@@ -250,6 +250,9 @@ class LlamaModel(nn.Module):
         self.fused_final_norm = len(layers) > 0 and all(
             getattr(layer, "fused_ops", False) for layer in layers
         )
+        # Set by engine.batch_invariance.make_batch_invariant: the runner then plans attention
+        # that computes each row on its own.
+        self.batch_invariant = False
 
     @property
     def dtype(self) -> torch.dtype:
