@@ -6,7 +6,9 @@ step (measured in docs/benchmarks.md). A CUDA graph records one step's kernels o
 them with a single launch.
 
 A graph has fixed shapes, so a step is padded to a *bucket*: ``batch`` sequences (a power of
-two) of ``queries`` new tokens each, attending to ``keys`` cache slots (a power of two). Padding
+two) of ``queries`` new tokens each (rounded up to ``QUERY_BUCKETS``: every verification width
+a decoder or the goodput policy can ask for, 1 to k + 1, has one), attending to ``keys`` cache
+slots (a power of two). Padding
 is harmless by construction: padding rows write their K/V into the cache's scratch slot (a
 block no sequence holds), their mask lets them see one key, and their outputs are dropped. A
 short sequence's real rows come first in its run of ``queries``. Every step of a bucket thus
@@ -26,12 +28,25 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import AttentionGroup, AttentionMetadata
+from engine.speculative_options import MAX_SPECULATIVE_TOKENS
 from engine.token_tree import ancestry, depths
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-MAX_GRAPH_QUERIES = 16  # longer query runs (prefill chunks) run eagerly
+# Query runs per sequence: a decode token (1) and a verification of 1 + k tokens for every k a
+# step may draft (the goodput policy picks any k up to the configured or requested one, and a
+# tree of k drafts is as wide as a chain). Exact up to 6 (k <= 5 covers most configurations),
+# then a few wider buckets whose padding costs little on a GPU. Longer runs (prefill chunks)
+# run eagerly.
+QUERY_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 12, 1 + MAX_SPECULATIVE_TOKENS)
+MAX_GRAPH_QUERIES = QUERY_BUCKETS[-1]
+# Rows (batch x queries) of the largest graph: beyond it a step runs eagerly, as its launches
+# no longer dominate it (and each graph's activations take memory).
+MAX_GRAPH_ROWS = 1024
 MIN_KEY_BUCKET = 128
-MAX_GRAPHS = 256  # beyond this many buckets, new ones run eagerly (each graph holds memory)
+# Beyond this many buckets, new ones run eagerly (each graph holds memory). A default engine
+# drafting k = 4 with a feature-reading decoder plans 350 (5 key x 7 batch x 5 width x 2
+# option buckets); unmeasured on a GPU since widths got buckets of their own (was 256).
+MAX_GRAPHS = 512
 # Buckets captured when the engine starts, up to this key length: capturing one mid-run stalls
 # every stream for a few passes' time (longer contexts are captured when first met).
 PRECAPTURE_MAX_KEYS = 2048
@@ -77,14 +92,46 @@ def fits_a_graph(item) -> bool:
     return len(item.token_ids) <= MAX_GRAPH_QUERIES and not item.extra_logit_rows
 
 
+def query_bucket(width: int) -> int | None:
+    """The bucket of query runs up to ``width`` tokens (None: wider than any graph)."""
+    return next((q for q in QUERY_BUCKETS if q >= width), None)
+
+
 def graph_key(items: Sequence, options: dict) -> GraphKey | None:
     """The bucket of a step of ``items`` (``ForwardItem``s), or None if it runs eagerly."""
     if not items or len(items) > BATCH_BUCKETS[-1] or not all(map(fits_a_graph, items)):
         return None
-    queries = max(len(item.token_ids) for item in items)
+    queries = query_bucket(max(len(item.token_ids) for item in items))
     keys = max(item.num_cached + len(item.token_ids) for item in items)
     batch = next(b for b in BATCH_BUCKETS if b >= len(items))
+    if batch * queries > MAX_GRAPH_ROWS:
+        return None
     return GraphKey(batch, queries, _next_power_of_two(keys, MIN_KEY_BUCKET), _frozen(options))
+
+
+def capture_plan(max_batch: int, max_width: int, options: Sequence[dict]) -> list[GraphKey]:
+    """The buckets to capture at start-up for steps of up to ``max_batch`` sequences whose
+    query runs are at most ``max_width`` tokens (1: decoding only; 1 + k with drafting), with
+    each set of model ``options``, keys up to PRECAPTURE_MAX_KEYS: every bucket ``graph_key``
+    can give such a step there. Short contexts and small batches first, each with every
+    width: what ``MAX_GRAPHS`` leaves out (captured later when met, while room is left) is
+    what speculative steps need least."""
+    batches = [b for b in BATCH_BUCKETS if b < max_batch] + [
+        next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
+    ]
+    widths = [q for q in QUERY_BUCKETS if q <= (query_bucket(max_width) or MAX_GRAPH_QUERIES)]
+    keys = []
+    while not keys or keys[-1] < PRECAPTURE_MAX_KEYS:
+        keys.append(MIN_KEY_BUCKET << len(keys))
+    plan = [
+        GraphKey(b, q, length, _frozen(option))
+        for length in keys
+        for b in batches
+        for q in widths
+        if b * q <= MAX_GRAPH_ROWS
+        for option in options
+    ]
+    return plan[:MAX_GRAPHS]
 
 
 def plan_padded_step(
@@ -118,9 +165,7 @@ def plan_padded_step(
             mask[i, 0, :n, :cached] = True
             mask[i, 0, :n, cached:total] = ancestry(item.tree_parents)
         positions[rows] = new_positions
-    return PaddedStep(
-        input_ids, positions, slot_mapping, kv_slots, mask, torch.tensor(real_rows)
-    )
+    return PaddedStep(input_ids, positions, slot_mapping, kv_slots, mask, torch.tensor(real_rows))
 
 
 def run_padded(model, kv_cache, step: PaddedStep, scale: float, options: dict):
@@ -191,22 +236,12 @@ class CudaGraphs:
             and model.arch.sliding_window is None
         )
 
-    def precapture(self, max_batch: int, queries: Sequence[int], options: Sequence[dict]) -> int:
-        """Capture every bucket of up to ``max_batch`` sequences, of each query length and set
-        of model options, with keys up to PRECAPTURE_MAX_KEYS (vLLM captures at start-up too).
+    def precapture(self, plan: Sequence[GraphKey]) -> int:
+        """Capture the buckets of ``plan`` (``capture_plan``; vLLM captures at start-up too).
         Returns how many graphs were captured."""
-        batches = [b for b in BATCH_BUCKETS if b < max_batch] + [
-            next((b for b in BATCH_BUCKETS if b >= max_batch), BATCH_BUCKETS[-1])
-        ]
-        keys = []
-        while not keys or keys[-1] < PRECAPTURE_MAX_KEYS:
-            keys.append(MIN_KEY_BUCKET << len(keys))
         before = len(self.graphs)
-        for option in options:
-            for q in queries:
-                for b in batches:
-                    for length in keys:
-                        self._graph(GraphKey(b, q, length, _frozen(option)))
+        for key in plan:
+            self._graph(key)
         return len(self.graphs) - before
 
     def _graph(self, key: GraphKey) -> _Graph | None:

@@ -13,6 +13,7 @@ from transformers import GenerationConfig
 from engine.config import DecoderConfig, EngineConfig
 from engine.constraints import AllConstraints, ConstraintFactory, normalize_phrase
 from engine.constraints.banned import MAX_REWINDS
+from engine.cuda_graphs import capture_plan
 from engine.decoder_registry import trained_decoders
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
 from engine.decoders.drafter_files import find_shipped_drafter
@@ -125,19 +126,26 @@ class Engine:
         self._aborted_since_step: set[str] = set()
 
     def _precapture_graphs(self) -> None:
-        """The target's CUDA graphs of decode steps and, with drafting decoders, of
-        verification steps (with the hidden states trained drafters read)."""
+        """The target's CUDA graphs of decode steps and, with drafting decoders, of every
+        verification width up to 1 + k (with the hidden states trained drafters read)."""
         started = time.perf_counter()
-        queries, options = [1], [{}]
-        spec = self.speculator
-        if spec is not None:
-            queries.append(1 + self.config.decoder.num_speculative_tokens)
-            layers = spec.loaded_feature_layers()
-            if layers:
-                hidden_layer = layers[0] if len(layers) == 1 else layers
-                options.append({"hidden_layer": hidden_layer, "all_hidden": True})
-        count = self.runner.graphs.precapture(self.config.scheduler.max_num_seqs, queries, options)
+        plan = capture_plan(self.config.scheduler.max_num_seqs, *self.graph_widths_and_options())
+        count = self.runner.graphs.precapture(plan)
         log.info("captured %d CUDA graphs in %.1f s", count, time.perf_counter() - started)
+
+    def graph_widths_and_options(self) -> tuple[int, list[dict]]:
+        """The widest query run a decode or verification step of this engine's decoders has
+        (1 + k: the goodput policy may pick any k up to the configured one, and a tree of k
+        drafts is as wide as a chain), and the model options of its steps."""
+        options: list[dict] = [{}]
+        spec = self.speculator
+        if spec is None:
+            return 1, options
+        layers = spec.loaded_feature_layers()
+        if layers:
+            hidden_layer = layers[0] if len(layers) == 1 else layers
+            options.append({"hidden_layer": hidden_layer, "all_hidden": True})
+        return 1 + self.config.decoder.num_speculative_tokens, options
 
     def use_speculator(self, speculator: Speculator | None) -> None:
         """Draft with ``speculator`` (one of ``build_speculator``'s; None: plain decoding)
@@ -610,7 +618,6 @@ def eos_token_ids_of(model_dir, hf_config) -> set[int]:
     """EOS ids from generation_config.json and config.json (either may list several)."""
     ids: set[int] = set()
     try:
-
         ids |= _as_id_set(GenerationConfig.from_pretrained(model_dir).eos_token_id)
     except OSError:
         pass  # no generation_config.json

@@ -57,6 +57,9 @@ class ModelRunner:
         # Decode and verification steps replay CUDA graphs on a GPU whose cache has a scratch
         # slot for their padding (the engine leaves it out under enforce_eager).
         self.graphs = CudaGraphs(model, kv_cache) if CudaGraphs.usable(model, kv_cache) else None
+        # Steps of decode and verification rows alone that ran eagerly although graphs are on
+        # (no bucket, or the graph limit reached): each one a step slower than it need be.
+        self.eager_short_steps = 0
 
     def run(self, items: Sequence[ForwardItem], **model_options) -> torch.Tensor:
         """Forward all items; returns float32 logits [sum(num_logits), vocab] in item order.
@@ -73,6 +76,7 @@ class ModelRunner:
             out = self._forward_with_graphs(items, model_options)
             if out is not None:
                 return out
+            self.eager_short_steps += all(map(fits_a_graph, items))
         return self._forward_eager(items, model_options)
 
     def _forward_with_graphs(self, items, options: dict) -> ModelOutput | None:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The most draft tokens a step may verify per sequence (vLLM's bound too): the engine's
+# configured k and a request's own are both at most this.
+MAX_SPECULATIVE_TOKENS = 16
+
 
 @dataclass(frozen=True)
 class SpeculativeOptions:
@@ -16,5 +20,7 @@ class SpeculativeOptions:
 
     def __post_init__(self):
         k = self.num_speculative_tokens
-        if k is not None and not (isinstance(k, int) and 1 <= k <= 16):
-            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {k!r}")
+        if k is not None and not (isinstance(k, int) and 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )

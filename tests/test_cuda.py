@@ -72,6 +72,17 @@ def test_every_decoder_is_greedy_identical_on_the_gpu(gpu_llm):
     assert manager.num_free_blocks == manager.num_blocks
 
 
+@pytest.mark.parametrize("gpu_llm", ["float32"], indirect=True)
+def test_no_decode_or_verification_step_runs_eagerly(gpu_llm):
+    """Every width a decoder or the goodput policy asks for has a graph captured at start-up
+    (engine.cuda_graphs.capture_plan): the runner's count of eager short steps stays 0."""
+    runner = gpu_llm.engine.runner
+    before = runner.eager_short_steps
+    for name in DECODERS:
+        gpu_llm.generate(prompts(gpu_llm), GREEDY, SpeculativeOptions(name))
+    assert runner.eager_short_steps == before
+
+
 def test_engine_state_lives_on_the_gpu(gpu_llm):
     engine = gpu_llm.engine
     assert engine.kv_cache.storage.device.type == "cuda"
