@@ -15,6 +15,7 @@ _GROUPS: dict[str, dict[str, str]] = {
     "running": {
         "LLM": "engine.llm",
         "SamplingParams": "engine.sampling_params",
+        "SpeculativeOptions": "engine.speculative_options",  # a request's choice of decoder
         "EngineConfig": "engine.config",
         "DecoderConfig": "engine.config",
         "ConstraintSpec": "engine.constraints",
