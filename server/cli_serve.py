@@ -21,7 +21,53 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
     return keys
 
 
+# Flags of the Ray Serve application, which its replicas' own `specserve serve` do not take.
+RAY_FLAGS = {"--replicas", "--min-replicas", "--max-replicas", "--replica-cpus",
+             "--replica-gpus", "--ray-address", "--host", "--port"}  # fmt: skip
+
+
+def replica_arguments(argv: list[str]) -> list[str]:
+    """``argv`` (after ``serve``) without the flags of the Ray application, for each replica's
+    own ``specserve serve``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in RAY_FLAGS:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return kept
+
+
+def _cmd_serve_replicas(args: argparse.Namespace) -> int:
+    """``--replicas N`` / ``--ray-address``: the Ray Serve application (server/ray_serve/)."""
+    import sys
+
+    try:
+        from server.ray_serve.app import ClusterPlan, run
+    except ImportError as exc:
+        raise SystemExit(
+            f"--replicas needs Ray Serve: pip install 'specserve[ray]' ({exc})"
+        ) from exc
+    argv = sys.argv[sys.argv.index("serve") + 1 :] if "serve" in sys.argv else []
+    plan = ClusterPlan(
+        serve_args=replica_arguments(argv),
+        replicas=args.replicas or 1,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        cpus_per_replica=args.replica_cpus,
+        gpus_per_replica=args.replica_gpus,
+    )
+    run(plan, args.host, args.port, args.ray_address)
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas is not None or args.ray_address or args.min_replicas is not None:
+        return _cmd_serve_replicas(args)
     # the web stack: only for `serve` (the other commands never load it)
     import uvicorn
     from sse_starlette.sse import AppStatus
@@ -104,6 +150,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_cors_arguments(p)
+    ray = p.add_argument_group("replicas on Ray Serve (pip install 'specserve[ray]')")
+    ray.add_argument("--replicas", type=int, help="run N replicas behind Ray Serve's proxy, "
+                     "routed by prefix and load (default: one process, no Ray)")  # fmt: skip
+    ray.add_argument("--min-replicas", type=int, help="autoscale between this ...")
+    ray.add_argument("--max-replicas", type=int, help="... and this many replicas")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica holds")
+    ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica holds")
+    ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     limits = p.add_argument_group("request limits (beyond one: a 400 naming it; body: 413)")
     for f in fields(RequestLimits):
         limits.add_argument(

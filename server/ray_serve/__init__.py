@@ -1,0 +1,1 @@
+"""specserve replicas on Ray Serve (an optional extra: ``pip install 'specserve[ray]'``)."""

@@ -1,0 +1,125 @@
+"""specserve as a Ray Serve application: N replicas (each the whole ``specserve serve``, see
+``replica.py``) behind an ingress, routed by prefix and load (``router.py``).
+
+Two ways in: ``specserve serve --replicas N`` starts a local Ray cluster (or joins one with
+``--ray-address``) and runs the application on ``--host``/``--port``; or the Ray way,
+``serve run server.ray_serve.app:build replicas=2 serve_args="--decoder ngram"`` (or a Serve
+config file naming ``import_path: server.ray_serve.app:build``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from server.ray_serve.router import DEFAULT_IMBALANCE
+
+
+@dataclass
+class ClusterPlan:
+    """What to deploy: replicas (a fixed count, or an autoscaling range), each one's
+    resources, the arguments of each replica's ``specserve serve``, and the router's rule."""
+
+    serve_args: list[str] = field(default_factory=list)
+    replicas: int = 1
+    min_replicas: int | None = None  # with max_replicas: autoscale on ongoing requests
+    max_replicas: int | None = None
+    cpus_per_replica: float = 1.0
+    gpus_per_replica: float = 0.0
+    imbalance: int = DEFAULT_IMBALANCE
+    max_ongoing_requests: int = 256  # per replica; its server queues (and 429s) beyond
+
+    def check(self) -> None:
+        """Refuse a plan that cannot run, before anything starts."""
+        if self.replicas < 1:
+            raise ValueError(f"--replicas must be at least 1, got {self.replicas}")
+        if (self.min_replicas is None) != (self.max_replicas is None):
+            raise ValueError("--min-replicas and --max-replicas go together")
+        if self.min_replicas is not None and not 0 < self.min_replicas <= self.max_replicas:
+            raise ValueError(
+                f"need 0 < --min-replicas <= --max-replicas, got "
+                f"{self.min_replicas} and {self.max_replicas}"
+            )
+        if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
+            raise ValueError("a replica needs some CPU and a non-negative GPU count")
+
+    def check_fits(self, cluster: dict[str, float]) -> None:
+        """Refuse a plan the cluster's resources (``ray.cluster_resources()``) cannot hold."""
+        count = self.max_replicas or self.replicas
+        for name, each in (("CPU", self.cpus_per_replica), ("GPU", self.gpus_per_replica)):
+            if each and cluster.get(name, 0.0) < count * each:
+                raise ValueError(
+                    f"{count} replicas of {each:g} {name} each need {count * each:g} {name}; "
+                    f"the cluster has {cluster.get(name, 0.0):g}"
+                )
+
+
+def application(plan: ClusterPlan):
+    """The bound Ray Serve application of ``plan``."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from server.ray_serve.ingress import Ingress
+    from server.ray_serve.replica import SpecserveReplica
+
+    scaling = (
+        {
+            "autoscaling_config": {
+                "min_replicas": plan.min_replicas,
+                "max_replicas": plan.max_replicas,
+            }
+        }  # fmt: skip
+        if plan.min_replicas is not None
+        else {"num_replicas": plan.replicas}
+    )
+    replica = serve.deployment(
+        SpecserveReplica,
+        name="specserve-replica",
+        ray_actor_options={"num_cpus": plan.cpus_per_replica, "num_gpus": plan.gpus_per_replica},
+        max_ongoing_requests=plan.max_ongoing_requests,
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        request_router_config=RequestRouterConfig(
+            request_router_class="server.ray_serve.router.PrefixAffinityRouter",
+            request_router_kwargs={"imbalance": plan.imbalance},
+            request_routing_stats_period_s=1.0,
+            request_routing_stats_timeout_s=5.0,
+        ),
+        **scaling,
+    )
+    ingress = serve.deployment(Ingress, name="specserve-ingress", ray_actor_options={"num_cpus": 0})
+    return ingress.bind(replica.bind(plan.serve_args))
+
+
+def build(args: dict):
+    """``serve run server.ray_serve.app:build replicas=2 serve_args="..."`` (Ray's builder)."""
+    plan = ClusterPlan(
+        serve_args=shlex.split(args.get("serve_args", "")),
+        replicas=int(args.get("replicas", 1)),
+        min_replicas=int(args["min_replicas"]) if "min_replicas" in args else None,
+        max_replicas=int(args["max_replicas"]) if "max_replicas" in args else None,
+        cpus_per_replica=float(args.get("cpus_per_replica", 1)),
+        gpus_per_replica=float(args.get("gpus_per_replica", 0)),
+        imbalance=int(args.get("imbalance", DEFAULT_IMBALANCE)),
+    )
+    plan.check()
+    return application(plan)
+
+
+def run(plan: ClusterPlan, host: str, port: int, ray_address: str | None) -> None:
+    """Start (or join) a Ray cluster, deploy ``plan`` on ``host:port``, serve until stopped."""
+    import ray
+    from ray import serve
+
+    plan.check()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=ray_address, namespace="specserve", log_to_driver=False)
+    try:
+        plan.check_fits(ray.cluster_resources())
+    except ValueError:
+        if started:
+            ray.shutdown()
+        raise
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(application(plan), name="specserve", route_prefix="/", blocking=True)

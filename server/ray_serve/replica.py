@@ -1,0 +1,150 @@
+"""One specserve replica in Ray Serve: the existing server and engine, unchanged, in a child
+process on a local port, and a deployment that hands it requests and streams back its answers.
+
+Running the whole ``specserve serve`` per replica keeps one code path for every feature
+(validation and its 4xx, SSE, logprobs, constraints, the engine process and its watchdog);
+the price is one local HTTP hop per request, which ``bench serve`` measures. The replica
+reports its engine's queue and KV usage to the router (``record_routing_stats``), answers
+Ray's health checks from its server's ``/health`` (a failing replica is replaced), and
+registers its server's address so the ingress can gather every replica's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+from server.ray_serve.proxied import ProxiedRequest, ResponseStart
+from server.ray_serve.registry import registry
+
+REPLICA_HEADER = "x-specserve-replica"
+START_TIMEOUT_S = 600.0  # a first start may pull the model and tune the kernels
+# Hop-by-hop headers, and the length the proxy recomputes.
+DROPPED_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_gauges(metrics_text: str, names: dict[str, str]) -> dict[str, float]:
+    """``{key: value}`` of the gauges ``names`` ({metric name: key}) in Prometheus text."""
+    found: dict[str, float] = {}
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            try:
+                found[names[name]] = found.get(names[name], 0.0) + float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+    return found
+
+
+ROUTING_GAUGES = {
+    "specserve:num_requests_running": "running",
+    "specserve:num_requests_waiting": "waiting",
+    "specserve:kv_cache_usage_perc": "kv_usage",
+}
+
+
+class SpecserveReplica:
+    """The deployment class (``server/ray_serve/app.py`` wraps it with ``serve.deployment``)."""
+
+    def __init__(self, serve_args: list[str], replica_name: str | None = None):
+        from ray import serve
+
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        context = serve.get_replica_context()
+        self.replica_id = replica_name or context.replica_id.unique_id
+        # Tethered: a replica Ray kills outright takes its server with it (tethered.py).
+        command = [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()), "serve",
+                   *serve_args, "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        self.process = subprocess.Popen(command, start_new_session=True)
+        self.base = f"http://{self.host}:{self.port}"
+        self.client = httpx.AsyncClient(base_url=self.base, timeout=None)
+        self._wait_until_ready()
+        self.url = f"http://{_node_ip()}:{self.port}"
+        registry().add.remote(self.replica_id, self.base if _single_node() else self.url)
+
+    def _wait_until_ready(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"specserve serve exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"specserve serve did not answer /health in {START_TIMEOUT_S:.0f} s")
+
+    async def __call__(self, request: ProxiedRequest):
+        """Yields a ``ResponseStart``, then the body's chunks as the server sends them."""
+        headers = [(k, v) for k, v in request.headers if k.lower() not in DROPPED_HEADERS]
+        upstream = self.client.build_request(
+            request.method, request.path, headers=headers, content=request.body
+        )
+        response = await self.client.send(upstream, stream=True)
+        try:
+            kept = [(k, v) for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS]
+            kept.append((REPLICA_HEADER, self.replica_id))  # which replica answered
+            yield ResponseStart(response.status_code, kept)
+            async for chunk in response.aiter_raw():
+                yield chunk
+        finally:
+            await response.aclose()  # a client gone: the server sees the disconnect and aborts
+
+    async def metrics_text(self) -> str:
+        return (await self.client.get("/metrics")).text
+
+    async def check_health(self) -> None:
+        """Ray calls this periodically; raising marks the replica unhealthy (it is replaced)."""
+        if self.process.poll() is not None:
+            raise RuntimeError(f"the replica's server exited with {self.process.returncode}")
+        response = await self.client.get("/health", timeout=10.0)
+        if response.status_code != 200:
+            raise RuntimeError(f"the replica's server is unhealthy: {response.status_code}")
+
+    async def record_routing_stats(self) -> dict:
+        """The engine's queue and KV usage, for the router (``router.py``)."""
+        try:
+            return parse_gauges(await self.metrics_text(), ROUTING_GAUGES)
+        except httpx.HTTPError:
+            return {}
+
+    def __del__(self):
+        process = getattr(self, "process", None)
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, 15)
+                process.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(process.pid, 9)
+        if getattr(self, "replica_id", None) is not None:
+            try:
+                registry().remove.remote(self.replica_id)
+            except Exception:  # the cluster may be going down with us
+                pass
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _single_node() -> bool:
+    import ray
+
+    return len([n for n in ray.nodes() if n.get("Alive")]) <= 1

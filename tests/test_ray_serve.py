@@ -1,0 +1,175 @@
+"""specserve replicas on Ray Serve (server/ray_serve/): the prefix keys, the plan's refusals,
+the metrics merge, the router's rule, and a real local Ray cluster of two tiny-model replicas:
+streaming through Ray's proxy, conversations kept on the replica holding their prefix, a
+replica killed mid-stream, /health and /metrics. Skipped where Ray Serve is not installed."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: specserve[ray]")
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from server.cli_serve import replica_arguments  # noqa: E402
+from server.ray_serve.app import ClusterPlan  # noqa: E402
+from server.ray_serve.ingress import merge_metrics  # noqa: E402
+from server.ray_serve.prefix_keys import (  # noqa: E402
+    BLOCK_CHARS,
+    prefix_hashes,
+    prompt_text,
+    request_prefix_hashes,
+)
+from server.ray_serve.replica import REPLICA_HEADER, parse_gauges  # noqa: E402
+
+# ------------------------------------------------------------------------------- no cluster
+
+
+def test_a_conversation_shares_its_history_s_prefix_hashes():
+    history = [{"role": "user", "content": "x" * 600}, {"role": "assistant", "content": "y" * 300}]
+    first = prefix_hashes(prompt_text({"messages": history[:1]}))
+    later = prefix_hashes(prompt_text({"messages": [*history, {"role": "user", "content": "z"}]}))
+    assert len(first) == 2 and later[:2] == first  # whole blocks only: 600 chars -> 2
+    other = prefix_hashes(prompt_text({"messages": [{"role": "user", "content": "w" * 600}]}))
+    assert not set(other) & set(later)
+    assert prefix_hashes("a" * (BLOCK_CHARS - 1)) == []
+    assert request_prefix_hashes(b"not json") == [] and request_prefix_hashes(b"[1]") == []
+    completion = json.dumps({"prompt": ["p" * 300, "q"]}).encode()
+    assert request_prefix_hashes(completion) == prefix_hashes("p" * 300)
+
+
+def test_replicas_get_the_serve_flags_but_not_the_cluster_s():
+    argv = ["--replicas", "2", "--decoder", "ngram", "--port=9000", "--host", "0.0.0.0",
+            "--ray-address", "auto", "--max-tokens-limit", "5"]  # fmt: skip
+    assert replica_arguments(argv) == ["--decoder", "ngram", "--max-tokens-limit", "5"]
+
+
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (ClusterPlan(replicas=0), "--replicas must be at least 1"),
+        (ClusterPlan(min_replicas=2), "go together"),
+        (ClusterPlan(min_replicas=3, max_replicas=2), "--min-replicas <= --max-replicas"),
+        (ClusterPlan(cpus_per_replica=0), "needs some CPU"),
+    ],
+)
+def test_plans_that_cannot_run_are_refused(plan, message):
+    with pytest.raises(ValueError, match=message):
+        plan.check()
+
+
+def test_plans_the_cluster_cannot_hold_are_refused():
+    with pytest.raises(ValueError, match="need 8 CPU; the cluster has 2"):
+        ClusterPlan(replicas=4, cpus_per_replica=2).check_fits({"CPU": 2.0})
+    with pytest.raises(ValueError, match="need 2 GPU; the cluster has 0"):
+        ClusterPlan(replicas=2, gpus_per_replica=1).check_fits({"CPU": 16.0})
+    ClusterPlan(replicas=2, cpus_per_replica=1).check_fits({"CPU": 2.0})
+
+
+def test_replica_metrics_merge_into_one_labelled_text():
+    text = (
+        "# HELP specserve:num_requests_running Requests running\n"
+        "# TYPE specserve:num_requests_running gauge\n"
+        'specserve:num_requests_running{model_name="m"} 2.0\n'
+    )
+    merged = merge_metrics({"a": text, "b": text.replace("2.0", "3.0")}).decode()
+    families = list(text_string_to_metric_families(merged))
+    assert len(families) == 1
+    samples = {s.labels["replica"]: s.value for s in families[0].samples}
+    assert samples == {"a": 2.0, "b": 3.0}
+    assert parse_gauges(text, {"specserve:num_requests_running": "running"}) == {"running": 2.0}
+
+
+# ----------------------------------------------------------------------------- real cluster
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_model_dir, tmp_path_factory):
+    """``specserve serve --replicas 2`` on the tiny chat model: a real local Ray cluster."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("ray") / "serve.log"
+    repo = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "tooling.cli", "serve", "--replicas", "2",
+               "--replica-cpus", "0.5", "--model", str(tiny_chat_model_dir),
+               "--served-model-name", "tiny", "--port", str(port)]  # fmt: skip
+    env = {"PYTHONPATH": str(repo), "RAY_AUTH_MODE": "disabled"}
+    import os
+
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, cwd=repo, stdout=out, stderr=subprocess.STDOUT,
+                                env=os.environ | env)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    try:
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                health = httpx.get(f"{base}/health", timeout=5)
+                if health.status_code == 200 and len(health.json()["replicas"]) == 2:
+                    break
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(2)
+        else:
+            pytest.fail("the Ray application did not come up:\n" + log.read_text()[-3000:])
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
+                       capture_output=True)  # fmt: skip
+
+
+def _chat(base: str, messages, stream: bool = False, max_tokens: int = 8):
+    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "stream": stream}
+    return httpx.post(f"{base}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_streams_through_ray_s_proxy(cluster):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+    ))  # fmt: skip
+    assert chunks and chunks[-1].choices[0].finish_reason == "length"
+    bad = httpx.post(f"{cluster}/v1/chat/completions", json={"model": "tiny"}, timeout=60)
+    assert bad.status_code == 400 and "messages" in bad.text  # the replica's own validation
+
+
+def test_a_conversation_stays_on_the_replica_holding_its_prefix(cluster):
+    served: dict[int, set[str]] = {}
+    for turn in range(3):
+        for conversation in range(4):
+            history = [{"role": "user", "content": f"conversation {conversation}: " + "x" * 700}]
+            history += [{"role": "user", "content": f"turn {t}"} for t in range(turn)]
+            response = _chat(cluster, history)
+            assert response.status_code == 200
+            served.setdefault(conversation, set()).add(response.headers[REPLICA_HEADER])
+    assert all(len(replicas) == 1 for replicas in served.values()), served
+
+
+def test_metrics_carry_each_replica_s_series(cluster):
+    text = httpx.get(f"{cluster}/metrics", timeout=30).text
+    running = [
+        s for f in text_string_to_metric_families(text) for s in f.samples
+        if s.name == "specserve:num_requests_running"
+    ]  # fmt: skip
+    assert len({s.labels["replica"] for s in running}) == 2
