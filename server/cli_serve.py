@@ -23,7 +23,7 @@ def api_keys_from(args: argparse.Namespace) -> list[str]:
 
 # Flags of the Ray Serve application, which its replicas' own `specserve serve` do not take.
 RAY_FLAGS = {"--replicas", "--min-replicas", "--max-replicas", "--replica-cpus",
-             "--replica-gpus", "--ray-address", "--host", "--port"}  # fmt: skip
+             "--replica-gpus", "--ray-address", "--routing", "--host", "--port"}  # fmt: skip
 
 
 def replica_arguments(argv: list[str]) -> list[str]:
@@ -60,6 +60,7 @@ def _cmd_serve_replicas(args: argparse.Namespace) -> int:
         max_replicas=args.max_replicas,
         cpus_per_replica=args.replica_cpus,
         gpus_per_replica=args.replica_gpus,
+        routing=args.routing,
     )
     run(plan, args.host, args.port, args.ray_address)
     return 0
@@ -158,6 +159,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica holds")
     ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica holds")
     ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
+    ray.add_argument("--routing", choices=("prefix", "pow2"), default="prefix",
+                     help="prefix: to the replica holding the prompt's prefix unless its queue "
+                     "is much longer; pow2: Ray Serve's power of two choices")  # fmt: skip
     limits = p.add_argument_group("request limits (beyond one: a 400 naming it; body: 413)")
     for f in fields(RequestLimits):
         limits.add_argument(

@@ -33,11 +33,27 @@ def _cmd_bench_linear(args: argparse.Namespace) -> int:
     return 0
 
 
+def httpx_models(url: str) -> list[str]:
+    """The model ids a running server lists."""
+    import httpx
+
+    return [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from tooling.bench.bench_serve import LoadSpec, run_concurrency_sweep, run_serve_bench
 
     if args.url and args.config:
         raise ValueError("--config configures a server the bench starts; not with --url")
+    if args.conversations:
+        from tooling.bench.bench_conversations import print_conversations
+
+        if not args.url or args.turns < 1:
+            raise ValueError("--conversations needs --url (a running server) and --turns >= 1")
+        models = httpx_models(args.url)
+        print_conversations(args.url, args.model or models[0], args.conversations, args.turns,
+                            args.max_tokens)  # fmt: skip
+        return 0
     if args.compare:
         concurrencies = [int(c) for c in args.concurrencies.split(",") if c.strip()]
         if not concurrencies or min(concurrencies) < 1:
@@ -213,4 +229,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --compare: runs of the load per method, alternating which goes first (a "
         "drifting machine weighs on both alike)",
     )
+    serve.add_argument(
+        "--conversations",
+        type=int,
+        help="instead: this many concurrent multi-turn conversations against --url, each turn "
+        "carrying its history: TTFT and the prefix-cache hit rate (prefix-aware routing)",
+    )
+    serve.add_argument("--turns", type=int, default=6, help="with --conversations")
     serve.set_defaults(func=_cmd_bench_serve)

@@ -26,6 +26,7 @@ class ClusterPlan:
     max_replicas: int | None = None
     cpus_per_replica: float = 1.0
     gpus_per_replica: float = 0.0
+    routing: str = "prefix"  # or "pow2": Ray Serve's default power of two choices
     imbalance: int = DEFAULT_IMBALANCE
     max_ongoing_requests: int = 256  # per replica; its server queues (and 429s) beyond
 
@@ -40,6 +41,8 @@ class ClusterPlan:
                 f"need 0 < --min-replicas <= --max-replicas, got "
                 f"{self.min_replicas} and {self.max_replicas}"
             )
+        if self.routing not in ("prefix", "pow2"):
+            raise ValueError(f"--routing: prefix or pow2, not {self.routing!r}")
         if self.cpus_per_replica <= 0 or self.gpus_per_replica < 0:
             raise ValueError("a replica needs some CPU and a non-negative GPU count")
 
@@ -72,6 +75,14 @@ def application(plan: ClusterPlan):
         if plan.min_replicas is not None
         else {"num_replicas": plan.replicas}
     )
+    routing = {}
+    if plan.routing == "prefix":
+        routing["request_router_config"] = RequestRouterConfig(
+            request_router_class="server.ray_serve.router.PrefixAffinityRouter",
+            request_router_kwargs={"imbalance": plan.imbalance},
+            request_routing_stats_period_s=1.0,
+            request_routing_stats_timeout_s=5.0,
+        )
     replica = serve.deployment(
         SpecserveReplica,
         name="specserve-replica",
@@ -79,12 +90,7 @@ def application(plan: ClusterPlan):
         max_ongoing_requests=plan.max_ongoing_requests,
         health_check_period_s=5,
         health_check_timeout_s=30,
-        request_router_config=RequestRouterConfig(
-            request_router_class="server.ray_serve.router.PrefixAffinityRouter",
-            request_router_kwargs={"imbalance": plan.imbalance},
-            request_routing_stats_period_s=1.0,
-            request_routing_stats_timeout_s=5.0,
-        ),
+        **routing,
         **scaling,
     )
     ingress = serve.deployment(Ingress, name="specserve-ingress", ray_actor_options={"num_cpus": 0})
@@ -101,6 +107,7 @@ def build(args: dict):
         cpus_per_replica=float(args.get("cpus_per_replica", 1)),
         gpus_per_replica=float(args.get("gpus_per_replica", 0)),
         imbalance=int(args.get("imbalance", DEFAULT_IMBALANCE)),
+        routing=args.get("routing", "prefix"),
     )
     plan.check()
     return application(plan)

@@ -1,0 +1,106 @@
+"""Multi-turn conversations against a running server: what prefix-aware routing is for.
+
+    specserve bench serve --url URL --conversations 8 --turns 6
+
+Each conversation opens with a long system prompt of its own and sends ``turns`` user turns
+one after another, each carrying the whole history (its earlier questions and the server's
+answers); the conversations run concurrently. Printed: mean and p50/p90 time to first token,
+output tokens/s over the load, and the prefix-cache hit rate over the load (prompt tokens
+found in the cache / looked up, from the server's ``/metrics`` before and after, summed over
+replicas when the URL is a Ray Serve application). Run it against a cluster routed by prefix
+and one routed by power of two choices (``specserve serve --replicas 2 --routing pow2``) to
+compare them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tooling.bench.bench import TOPICS
+
+HITS, QUERIES = "specserve:prefix_cache_hits", "specserve:prefix_cache_queries"
+
+
+async def _prefix_counters(client: httpx.AsyncClient, url: str) -> tuple[float, float]:
+    text = (await client.get(f"{url}/metrics")).text
+    totals = {HITS: 0.0, QUERIES: 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in totals:
+                totals[name] += sample.value
+    return totals[HITS], totals[QUERIES]
+
+
+def _system_prompt(index: int) -> str:
+    topic = TOPICS[index % len(TOPICS)]
+    facts = " ".join(f"Fact {i} about {topic}: it is worth a careful answer." for i in range(24))
+    return f"You are a patient tutor on {topic} (conversation {index}). {facts}"
+
+
+async def _turn(client, url, model, messages, max_tokens) -> tuple[float, str, int]:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+    started, ttft, text, tokens = time.perf_counter(), None, [], 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    text.append(piece)
+    return (ttft if ttft is not None else time.perf_counter() - started), "".join(text), tokens
+
+
+async def run_conversations(url: str, model: str, conversations: int, turns: int,
+                            max_tokens: int) -> dict:  # fmt: skip
+    """Returns ``ttft_mean``, ``ttft_p50``, ``ttft_p90`` (s), ``tokens_per_s`` and
+    ``prefix_hit_rate`` of the load."""
+    async with httpx.AsyncClient(timeout=600) as client:
+        hits0, queries0 = await _prefix_counters(client, url)
+        ttfts: list[float] = []
+        tokens = [0]
+
+        async def conversation(index: int) -> None:
+            messages = [{"role": "system", "content": _system_prompt(index)}]
+            for turn in range(turns):
+                messages.append({"role": "user", "content": f"Question {turn + 1}, please?"})
+                ttft, text, count = await _turn(client, url, model, messages, max_tokens)
+                ttfts.append(ttft)
+                tokens[0] += count
+                messages.append({"role": "assistant", "content": text})
+
+        started = time.perf_counter()
+        await asyncio.gather(*(conversation(i) for i in range(conversations)))
+        seconds = time.perf_counter() - started
+        hits1, queries1 = await _prefix_counters(client, url)
+    looked_up = queries1 - queries0
+    ttfts.sort()
+    return {
+        "ttft_mean": statistics.fmean(ttfts),
+        "ttft_p50": ttfts[len(ttfts) // 2],
+        "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "tokens_per_s": tokens[0] / seconds,
+        "prefix_hit_rate": (hits1 - hits0) / looked_up if looked_up else 0.0,
+    }
+
+
+def print_conversations(url: str, model: str, conversations: int, turns: int, max_tokens: int):
+    result = asyncio.run(run_conversations(url, model, conversations, turns, max_tokens))
+    print(f"{conversations} conversations x {turns} turns at {url}: "
+          f"prefix-cache hit rate {result['prefix_hit_rate']:.1%}, "
+          f"TTFT mean {result['ttft_mean'] * 1e3:.0f} ms (p50 {result['ttft_p50'] * 1e3:.0f}, "
+          f"p90 {result['ttft_p90'] * 1e3:.0f}), {result['tokens_per_s']:.1f} output tok/s")  # fmt: skip
+    return result
