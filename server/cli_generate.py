@@ -50,8 +50,7 @@ def add_model_arguments(p: argparse.ArgumentParser, decoder_choices: bool = True
         "--decoder",
         choices=list(DECODERS) if decoder_choices else None,
         metavar="DECODER",
-        help=f"decoder of requests that pick none: {', '.join(DECODERS)} "
-        "(default autoregressive)",
+        help=f"decoder of requests that pick none: {', '.join(DECODERS)} (default autoregressive)",
     )
     p.add_argument(
         "--extra-decoders",

@@ -173,3 +173,46 @@ def test_metrics_carry_each_replica_s_series(cluster):
         if s.name == "specserve:num_requests_running"
     ]  # fmt: skip
     assert len({s.labels["replica"] for s in running}) == 2
+
+
+def _server_of(replica_id: str) -> int:
+    """The pid of the replica's own ``specserve serve`` (the tether's child)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"server.ray_serve.tethered" in argv and replica_id.encode() in argv:
+            children = (proc / "task" / proc.name / "children").read_text().split()
+            return int(children[0])
+    raise LookupError(f"no server process for replica {replica_id}")
+
+
+def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster):
+    """Its streams end with an error event and [DONE]; new requests go to the other replica
+    at once; Ray replaces it and /health says so, all within 60 s."""
+    import os
+    import signal
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{cluster}/v1/chat/completions", json=body, timeout=120) as r:
+        replica = r.headers[REPLICA_HEADER]
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        os.kill(_server_of(replica), signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert "error" in json.loads(rest[-2][6:])
+    response = _chat(cluster, [{"role": "user", "content": "still there?"}])
+    assert response.status_code == 200 and response.headers[REPLICA_HEADER] != replica
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        states = httpx.get(f"{cluster}/health", timeout=10).json()["replicas"]
+        if replica not in states and len(states) == 2 and all(states.values()):
+            break
+        time.sleep(2)
+    else:
+        pytest.fail(f"the killed replica was not replaced within 60 s: {states}")

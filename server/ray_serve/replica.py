@@ -67,8 +67,9 @@ class SpecserveReplica:
         context = serve.get_replica_context()
         self.replica_id = replica_name or context.replica_id.unique_id
         # Tethered: a replica Ray kills outright takes its server with it (tethered.py).
-        command = [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()), "serve",
-                   *serve_args, "--host", self.host, "--port", str(self.port)]  # fmt: skip
+        command = [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()),
+                   self.replica_id, "serve", *serve_args, "--host", self.host,
+                   "--port", str(self.port)]  # fmt: skip
         self.process = subprocess.Popen(command, start_new_session=True)
         self.base = f"http://{self.host}:{self.port}"
         self.client = httpx.AsyncClient(base_url=self.base, timeout=None)

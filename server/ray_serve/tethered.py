@@ -1,5 +1,5 @@
-"""``python -m server.ray_serve.tethered PARENT_PID ARGS...``: run ``specserve ARGS...`` for as
-long as process PARENT_PID lives.
+"""``python -m server.ray_serve.tethered PARENT_PID NAME ARGS...``: run ``specserve ARGS...``
+for as long as process PARENT_PID lives (NAME, the replica's, only labels the process).
 
 A replica's server must not outlive its replica: Ray kills a failed or scaled-down replica's
 actor outright (no destructor runs), and a server left behind would hold its port, its engine
@@ -21,7 +21,7 @@ GRACE_S = 40.0  # the server's own shutdown timeout (30 s) and some
 
 
 def main(argv: list[str]) -> int:
-    parent, args = int(argv[0]), argv[1:]
+    parent, args = int(argv[0]), argv[2:]
     child = subprocess.Popen([sys.executable, "-m", "tooling.cli", *args])
 
     def stop(*_):
