@@ -24,6 +24,7 @@ from server.ray_serve.proxied import ProxiedRequest, ResponseStart
 from server.ray_serve.registry import registry
 
 app = FastAPI(title="specserve on Ray Serve")
+START_ATTEMPTS = 4  # replicas tried for a request that no replica has begun to answer
 STREAM_LOST = {
     "error": {
         "message": "the replica serving this request stopped; retry the request",
@@ -118,13 +119,19 @@ class Ingress:
             request.method, target, list(request.headers.items()), body,
             request_prefix_hashes(body) if request.method == "POST" else [],
         )  # fmt: skip
-        stream = self.replicas.remote(proxied)
-        try:
-            start = await stream.__anext__()
-        except StopAsyncIteration:
-            return _error(502, "the replica sent no answer")
-        except Exception as exc:  # the replica died or refused before answering
-            return _error(503, f"no replica could answer: {type(exc).__name__}")
+        # Nothing sent yet: a replica that fails now (its server gone, the actor dying) is
+        # skipped and the request goes to another.
+        for attempt in range(START_ATTEMPTS):
+            stream = self.replicas.remote(proxied)
+            try:
+                start = await stream.__anext__()
+                break
+            except StopAsyncIteration:
+                return _error(502, "the replica sent no answer")
+            except Exception as exc:
+                if attempt == START_ATTEMPTS - 1:
+                    return _error(503, f"no replica could answer: {type(exc).__name__}")
+                await asyncio.sleep(0.5)
         assert isinstance(start, ResponseStart)
         headers = dict(start.headers)
         sse = headers.get("content-type", "").startswith("text/event-stream")

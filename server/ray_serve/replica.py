@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -90,19 +91,34 @@ class SpecserveReplica:
             time.sleep(0.5)
         raise RuntimeError(f"specserve serve did not answer /health in {START_TIMEOUT_S:.0f} s")
 
+    def _exit_if_server_gone(self) -> None:
+        """A replica whose server died is of no use: end the actor, so that Ray's routers drop
+        it at once (instead of at the next failed health check) and Ray starts a new one."""
+        if self.process.poll() is not None:
+            threading.Timer(0.2, os._exit, args=(1,)).start()  # after this call's error is sent
+            raise RuntimeError(f"the replica's server exited with {self.process.returncode}")
+
     async def __call__(self, request: ProxiedRequest):
         """Yields a ``ResponseStart``, then the body's chunks as the server sends them."""
+        self._exit_if_server_gone()
         headers = [(k, v) for k, v in request.headers if k.lower() not in DROPPED_HEADERS]
         upstream = self.client.build_request(
             request.method, request.path, headers=headers, content=request.body
         )
-        response = await self.client.send(upstream, stream=True)
+        try:
+            response = await self.client.send(upstream, stream=True)
+        except httpx.TransportError:
+            self._exit_if_server_gone()
+            raise
         try:
             kept = [(k, v) for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS]
             kept.append((REPLICA_HEADER, self.replica_id))  # which replica answered
             yield ResponseStart(response.status_code, kept)
             async for chunk in response.aiter_raw():
                 yield chunk
+        except httpx.TransportError:
+            self._exit_if_server_gone()
+            raise
         finally:
             await response.aclose()  # a client gone: the server sees the disconnect and aborts
 
