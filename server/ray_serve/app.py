@@ -128,5 +128,16 @@ def run(plan: ClusterPlan, host: str, port: int, ray_address: str | None) -> Non
         if started:
             ray.shutdown()
         raise
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(application(plan), name="specserve", route_prefix="/", blocking=True)
+    import signal
+    import sys
+
+    # SIGTERM ends the application as Ctrl-C does: replicas (and their servers) stop, and a
+    # cluster this command started goes down with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application(plan), name="specserve", route_prefix="/", blocking=True)
+    finally:
+        serve.shutdown()
+        if started:
+            ray.shutdown()

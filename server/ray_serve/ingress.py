@@ -79,7 +79,9 @@ class Ingress:
         self.client = httpx.AsyncClient(timeout=10.0)
 
     async def _replica_urls(self) -> dict[str, str]:
-        return await registry().all.remote()
+        if getattr(self, "_registry", None) is None:
+            self._registry = registry()
+        return await self._registry.all.remote()
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
