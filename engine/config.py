@@ -88,7 +88,7 @@ class DecoderConfig(_Strict):
     # plain; cheap drafts verified where a few more tokens cost little (a GPU) can fit it.
     max_step_stretch: float | None = Field(None, ge=1.0)
     # Also load the trained drafters that ship for the model (engine/drafters/), so that a
-    # request can pick medusa, hydra, eagle or kangaroo without training one first. Loaded
+    # request can pick medusa, hydra, eagle, eagle3 or kangaroo without training one first. Loaded
     # but unused, they cost memory only: a step runs plain unless a sequence drafts.
     load_shipped_drafters: bool = True
     # ngram: the longest and shortest suffix n-gram looked up in the prompt and output.

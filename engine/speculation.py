@@ -30,6 +30,10 @@ from engine.sampling import SampledToken
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 
+# Tokens a drafter may be behind beyond the drafts it is asked for (the accepted ones and the
+# bonus token of the last step) while its drafting time still counts as a step's.
+CATCH_UP_SLACK = 2
+
 
 @dataclass
 class SpecDecodeStats:
@@ -196,11 +200,17 @@ class Speculator:
         proposals: dict[Sequence, Proposal] = {}
         for decoder, seqs in self._by_decoder(granted).items():
             grants = {s: granted[s].num_lookahead for s in seqs}
+            # A drafter far behind (a sequence's first draft reads its whole prompt, a
+            # stretch without drafts its every token) pays a catch-up that drafting every
+            # step does not: priced by it, drafting looked 10x dearer than it is and the
+            # policy never drafted again (eagle-goodput at 0.95x while eagle-k1 made 1.08x).
+            behind = max(decoder.tokens_behind(s) for s in seqs)
             started = time.perf_counter()
             proposals.update(decoder.propose(seqs, grants))
             if self.policy is not None:
                 seconds = time.perf_counter() - started
-                if decoder.name in self._warm_decoders:
+                steady = behind <= max(grants.values()) + CATCH_UP_SLACK
+                if decoder.name in self._warm_decoders and steady:
                     self.policy.observe_draft(
                         decoder.name, max(grants.values()), len(grants), seconds
                     )

@@ -405,3 +405,35 @@ def test_an_engine_that_drafts_by_default_calibrates_before_its_first_request(ti
     assert drafting.engine.speculator.policy.calibrated
     on_request = LLM(model=str(tiny_model_dir), decoder={"extra_methods": ["ngram"]})
     assert not on_request.engine.speculator.policy.calibrated
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tiny_model_dir, tmp_path_factory):
+    from tests.tiny_models import save_eagle_drafter
+
+    return save_eagle_drafter(tiny_model_dir, tmp_path_factory.mktemp("eagle") / "drafter")
+
+
+def test_the_policy_prices_drafting_without_a_drafter_s_catch_up(tiny_model_dir, eagle_dir):
+    """A drafter's first draft of a sequence reads its whole prompt (and one after a stretch
+    without drafts, every token of it): that catch-up is not what drafting k costs a step, so
+    the goodput policy does not learn from those calls (it had priced EAGLE's drafts 10x too
+    dear and stopped drafting)."""
+    from engine.speculation import CATCH_UP_SLACK
+
+    decoder = {"method": "eagle", "eagle": {"drafter": str(eagle_dir)}, "num_speculative_tokens": 2}
+    llm = LLM(model=str(tiny_model_dir), decoder=decoder, kv_cache={"num_blocks": 256})
+    spec = llm.engine.speculator
+    eagle = spec.decoders["eagle"]
+    calls, observed = [], []
+    behind, observe = eagle.tokens_behind, spec.policy.observe_draft
+
+    def recording_behind(seq):
+        calls.append(behind(seq))
+        return calls[-1]
+
+    eagle.tokens_behind = recording_behind
+    spec.policy.observe_draft = lambda *args: (observed.append(calls[-1]), observe(*args))
+    llm.generate([list(range(20, 80))], SamplingParams(temperature=0, max_tokens=24))
+    assert max(calls) >= 60  # the first draft read the prompt
+    assert observed and all(b <= 2 + CATCH_UP_SLACK for b in observed)

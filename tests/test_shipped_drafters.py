@@ -16,7 +16,7 @@ CHATS = [
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "kangaroo"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle3", "kangaroo"])
 def test_shipped_drafter_is_accepted_and_lossless_on_smollm2(smollm2_path, smollm2_llm, kind):
     llm = LLM(model=str(smollm2_path), decoder={"method": kind, "num_speculative_tokens": 4})
     expected = [o.token_ids for o in smollm2_llm.chat(CHATS, GREEDY)]
@@ -29,7 +29,7 @@ def test_shipped_drafter_is_accepted_and_lossless_on_smollm2(smollm2_path, smoll
 
 def test_the_default_engine_loads_them_and_plain_requests_stay_plain(smollm2_llm):
     engine = smollm2_llm.engine  # the default config
-    assert {"medusa", "hydra", "eagle", "kangaroo"} <= set(engine.loaded_decoders)
+    assert {"medusa", "hydra", "eagle", "eagle3", "kangaroo"} <= set(engine.loaded_decoders)
     spec = engine.speculator
     plain_steps = []
     original = spec.plain_step

@@ -83,6 +83,12 @@ class Decoder:
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """The target accepted the first ``num_accepted`` drafts of ``proposal``."""
 
+    def tokens_behind(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` its drafter has yet to read before drafting (a model drafter
+        catches up on what it did not see: the whole prompt on its first draft, every token
+        of a stretch it sat out). 0 for drafters that read nothing (prompt lookup)."""
+        return 0
+
     def observe_target_features(
         self, seq: Sequence, first_position: int, features: torch.Tensor
     ) -> None:

@@ -144,6 +144,15 @@ class ModelDrafter:
         state.num_cached = min(state.num_cached, cache.num_cached)
         return state
 
+    def tokens_behind(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` whose draft K/V this drafter has not computed (see
+        ``Decoder.tokens_behind``); read-only, unlike ``_state``."""
+        state = self._states.get(seq)
+        cached = 0 if state is None else min(state.num_cached, seq.cache_state().num_cached)
+        if self.shares_target_cache:
+            cached = seq.cache_state().num_cached
+        return max(0, seq.num_tokens - cached)
+
     def _new_generator(self, seq: Sequence) -> torch.Generator:
         """A draft stream of the sequence's own, independent of its sampling stream and of
         every other drafter's: seeded from the sequence's seed (each of a request's n

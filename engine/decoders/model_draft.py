@@ -26,3 +26,6 @@ class ModelDraftDecoder(Decoder):
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         self.drafter.on_verified(seq, proposal, num_accepted)
+
+    def tokens_behind(self, seq: Sequence) -> int:
+        return self.drafter.tokens_behind(seq)
