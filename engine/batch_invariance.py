@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from engine.models.autotune import load_measurements, measurement_key, save_measurements
-from engine.models.linear import Linear
+from engine.models.linear import Linear, dense_weight
 from engine.models.products import candidates, product_by_name
 from engine.models.quantized_linear import QuantizedLinear
 
@@ -85,8 +85,6 @@ class RowByRow(nn.Module):
         return torch.cat([self.inner(row) for row in x.split(1)])
 
     def dense_weight(self) -> torch.Tensor:
-        from engine.models.linear import dense_weight
-
         return dense_weight(self.inner)
 
 
