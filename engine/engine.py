@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
+from engine.batch_invariance import make_batch_invariant, unsupported_reason
 from engine.config import DecoderConfig, EngineConfig
 from engine.constraints import AllConstraints, ConstraintFactory, normalize_phrase
 from engine.constraints.banned import MAX_REWINDS
@@ -19,6 +20,7 @@ from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
 from engine.decoders.drafter_files import find_shipped_drafter
 from engine.decoders.gate import TargetConfidenceGate
 from engine.draft_policy import GoodputPolicy
+from engine.kernels.build import load_kernels
 from engine.kv_cache import BlockManager, KVCache, bytes_per_block
 from engine.kv_cache.sizing import kv_cache_blocks
 from engine.model_runner import ForwardItem, ModelRunner
@@ -633,9 +635,6 @@ def _as_id_set(value) -> set[int]:
 def make_batch_invariant_or_refuse(model: LlamaModel, config: EngineConfig) -> None:
     """``config.batch_invariant``: every row computed as it would be alone, or a clear
     refusal at start where this configuration cannot promise it."""
-    from engine.batch_invariance import make_batch_invariant, unsupported_reason
-    from engine.kernels.build import load_kernels
-
     reason = unsupported_reason(config.device, config.dtype, load_kernels())
     if reason is not None:
         raise ValueError(reason)
