@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from dataclasses import fields
 
 from server.cli_generate import add_model_arguments, engine_config_from_args
@@ -44,8 +45,6 @@ def replica_arguments(argv: list[str]) -> list[str]:
 
 def _cmd_serve_replicas(args: argparse.Namespace) -> int:
     """``--replicas N`` / ``--ray-address``: the Ray Serve application (server/ray_serve/)."""
-    import sys
-
     try:
         from server.ray_serve.app import ClusterPlan, run
     except ImportError as exc:

@@ -10,6 +10,8 @@ config file naming ``import_path: server.ray_serve.app:build``).
 from __future__ import annotations
 
 import shlex
+import signal
+import sys
 from dataclasses import dataclass, field
 
 from server.ray_serve.router import DEFAULT_IMBALANCE
@@ -59,6 +61,7 @@ class ClusterPlan:
 
 def application(plan: ClusterPlan):
     """The bound Ray Serve application of ``plan``."""
+    # Ray (an optional extra) and the modules that import it load only when a cluster is used.
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
@@ -115,6 +118,7 @@ def build(args: dict):
 
 def run(plan: ClusterPlan, host: str, port: int, ray_address: str | None) -> None:
     """Start (or join) a Ray cluster, deploy ``plan`` on ``host:port``, serve until stopped."""
+    # Ray: an optional extra, loaded only when a cluster is used.
     import ray
     from ray import serve
 
@@ -128,9 +132,6 @@ def run(plan: ClusterPlan, host: str, port: int, ray_address: str | None) -> Non
         if started:
             ray.shutdown()
         raise
-    import signal
-    import sys
-
     # SIGTERM ends the application as Ctrl-C does: replicas (and their servers) stop, and a
     # cluster this command started goes down with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -24,7 +24,7 @@ class ReplicaRegistry:
 
 def registry():
     """The cluster's registry actor, created by whoever asks first."""
-    import ray
+    import ray  # an optional extra: this module is importable without it
 
     actor = ray.remote(num_cpus=0)(ReplicaRegistry)
     return actor.options(

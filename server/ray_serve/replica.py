@@ -61,7 +61,7 @@ class SpecserveReplica:
     """The deployment class (``server/ray_serve/app.py`` wraps it with ``serve.deployment``)."""
 
     def __init__(self, serve_args: list[str], replica_name: str | None = None):
-        from ray import serve
+        from ray import serve  # the optional extra; this module is importable without it
 
         self.port = free_port()
         self.host = "127.0.0.1"
@@ -156,12 +156,12 @@ class SpecserveReplica:
 
 
 def _node_ip() -> str:
-    import ray
+    import ray  # the optional extra, as above
 
     return ray.util.get_node_ip_address()
 
 
 def _single_node() -> bool:
-    import ray
+    import ray  # the optional extra, as above
 
     return len([n for n in ray.nodes() if n.get("Alive")]) <= 1
