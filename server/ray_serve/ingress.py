@@ -7,8 +7,8 @@ A replica that dies mid-stream ends the stream with an OpenAI-shaped error event
 requests go to the others meanwhile.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures for the
+# class-based view, and string annotations (``request: "Request"``) then go unresolved.
 import asyncio
 import json
 
