@@ -29,6 +29,7 @@ from server.ray_serve.prefix_keys import (  # noqa: E402
     request_prefix_hashes,
 )
 from server.ray_serve.replica import REPLICA_HEADER, parse_gauges  # noqa: E402
+from tooling.bench.bench_ray import replica_processes  # noqa: E402
 
 # ------------------------------------------------------------------------------- no cluster
 
@@ -86,6 +87,53 @@ def test_replica_metrics_merge_into_one_labelled_text():
     samples = {s.labels["replica"]: s.value for s in families[0].samples}
     assert samples == {"a": 2.0, "b": 3.0}
     assert parse_gauges(text, {"specserve:num_requests_running": "running"}) == {"running": 2.0}
+
+
+def _router(imbalance: int = 2):
+    """The router's rule alone: Ray's request router machinery is not needed to choose."""
+    from server.ray_serve.router import PrefixAffinityRouter
+
+    router = object.__new__(PrefixAffinityRouter)
+    router.initialize_state(imbalance=imbalance)
+    return router
+
+
+def _pending(hashes: list[str]):
+    from types import SimpleNamespace
+
+    from server.ray_serve.proxied import ProxiedRequest
+
+    return SimpleNamespace(args=[ProxiedRequest("POST", "/v1/chat/completions", [], b"", hashes)])
+
+
+def test_the_router_keeps_a_prefix_on_its_replica_until_its_queue_is_too_long():
+    import asyncio
+    from types import SimpleNamespace
+
+    router = _router(imbalance=2)
+    a, b = (SimpleNamespace(replica_id=name, routing_stats={}) for name in ("a", "b"))
+    first = _pending(["h1", "h2"])
+    router.on_request_routed(first, "a", None)
+    router.on_request_completed("a", "r0")
+    # Many requests later, each ended before the next: still the holder (the queue is empty).
+    for i in range(20):
+        chosen = asyncio.run(router.choose_replicas([a, b], _pending(["h1", "h2", "h3"])))
+        assert chosen[0] == [a]
+        router.on_request_routed(_pending(["h1", "h2", "h3"]), "a", None)
+        router.on_request_completed("a", f"r{i + 1}")
+    # Three of its requests in flight, none on b: past the imbalance, two choices instead.
+    for _ in range(3):
+        router.on_request_routed(_pending(["x"]), "a", None)
+    assert asyncio.run(router.choose_replicas([a, b], _pending(["h1"])))[0] != [a]
+    # The replica's own report counts too, when it says more than this router knows.
+    router.on_request_completed("a", "x")
+    b.routing_stats = {"running": 0, "waiting": 0}
+    a.routing_stats = {"running": 1, "waiting": 5}
+    assert asyncio.run(router.choose_replicas([a, b], _pending(["h1"])))[0] != [a]
+    a.routing_stats = {"running": 1, "waiting": 0}
+    assert asyncio.run(router.choose_replicas([a, b], _pending(["h1"])))[0] == [a]
+    # A prefix no replica served: two choices.
+    assert len(asyncio.run(router.choose_replicas([a, b], _pending(["new"])))[0]) == 2
 
 
 # ----------------------------------------------------------------------------- real cluster
@@ -176,24 +224,11 @@ def test_metrics_carry_each_replica_s_series(cluster):
     assert len({s.labels["replica"] for s in running}) == 2
 
 
-def _server_of(replica_id: str) -> int:
-    """The pid of the replica's own ``specserve serve`` (the tether's child)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"server.ray_serve.tethered" in argv and replica_id.encode() in argv:
-            children = (proc / "task" / proc.name / "children").read_text().split()
-            return int(children[0])
-    raise LookupError(f"no server process for replica {replica_id}")
-
-
-def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster):
-    """Its streams end with an error event and [DONE]; new requests go to the other replica
-    at once; Ray replaces it and /health says so, all within 60 s."""
+@pytest.mark.parametrize("victim", ["server", "actor"])
+def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster, victim):
+    """Its server or its Ray actor killed: its streams end with an error event and [DONE]; new
+    requests go to the other replica at once; Ray replaces it and /health says so, all within
+    60 s (a dead actor's server goes with it, and the dead replica leaves /health)."""
     import os
     import signal
 
@@ -203,7 +238,8 @@ def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster):
         replica = r.headers[REPLICA_HEADER]
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        os.kill(_server_of(replica), signal.SIGKILL)
+        actor_pid, server_pid = replica_processes(replica)
+        os.kill(server_pid if victim == "server" else actor_pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     assert "error" in json.loads(rest[-2][6:])
@@ -217,3 +253,15 @@ def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster):
         time.sleep(2)
     else:
         pytest.fail(f"the killed replica was not replaced within 60 s: {states}")
+    deadline = time.monotonic() + 60
+    while _alive(server_pid) and time.monotonic() < deadline:
+        time.sleep(1)  # a dead actor's tether stops its server (within its shutdown time)
+    assert not _alive(server_pid), "the killed replica's server outlived it"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

@@ -70,6 +70,16 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_ray(args: argparse.Namespace) -> int:
+    from tooling.bench.bench_ray import run_ray_bench
+
+    if args.replicas < 1 or args.streams < 1:
+        raise ValueError("--replicas and --streams must be at least 1")
+    kill = None if args.kill == "none" else args.kill
+    run_ray_bench(args.model, args.config, args.replicas, args.streams, args.max_tokens, kill)
+    return 0
+
+
 def _cmd_bench_constraints(args: argparse.Namespace) -> int:
     from tooling.bench.bench_constraints import run_constraints_bench
 
@@ -237,3 +247,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--turns", type=int, default=6, help="with --conversations")
     serve.set_defaults(func=_cmd_bench_serve)
+    ray = which.add_parser(
+        "ray",
+        help="replicas on Ray Serve vs one specserve serve under the same load, then a replica "
+        "killed under load (pip install 'specserve[ray]')",
+    )
+    ray.add_argument("--model", help="model (default: the embedded SmolLM2)")
+    ray.add_argument("--config", help="engine config YAML for every server")
+    ray.add_argument("--replicas", type=int, default=2)
+    ray.add_argument("--streams", type=int, default=40, help="concurrent streaming chats")
+    ray.add_argument("--max-tokens", type=int, default=64,
+                     help="per stream (the kill's streams ask for 4x as many)")  # fmt: skip
+    ray.add_argument("--kill", choices=("server", "actor", "none"), default="server",
+                     help="what of one replica to kill under load: its specserve server, "
+                     "its Ray actor, or nothing")  # fmt: skip
+    ray.set_defaults(func=_cmd_bench_ray)

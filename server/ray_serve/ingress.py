@@ -81,7 +81,7 @@ class Ingress:
     async def _replica_urls(self) -> dict[str, str]:
         if getattr(self, "_registry", None) is None:
             self._registry = registry()
-        return await self._registry.all.remote()
+        return await self._registry.live.remote()
 
     @app.get("/metrics")
     async def metrics(self) -> Response:

@@ -76,7 +76,8 @@ class SpecserveReplica:
         self.client = httpx.AsyncClient(base_url=self.base, timeout=None)
         self._wait_until_ready()
         self.url = f"http://{_node_ip()}:{self.port}"
-        registry().add.remote(self.replica_id, self.base if _single_node() else self.url)
+        registry().add.remote(self.replica_id, self.base if _single_node() else self.url,
+                              _own_actor())  # fmt: skip
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -159,6 +160,12 @@ def _node_ip() -> str:
     import ray  # the optional extra, as above
 
     return ray.util.get_node_ip_address()
+
+
+def _own_actor():
+    import ray  # the optional extra, as above
+
+    return ray.get_runtime_context().current_actor
 
 
 def _single_node() -> bool:

@@ -5,8 +5,9 @@ A request goes to the replica that served the longest run of its leading prompt 
 replica's queue is longer than the shortest candidate's by more than ``imbalance`` requests;
 otherwise two random candidates are offered and Ray Serve sends it to the one with the shorter
 queue (the default policy's rule). Queues are what the replicas report
-(``SpecserveReplica.record_routing_stats``: the engine's running and waiting requests),
-refreshed every ``request_routing_stats_period_s``, plus what this router sent since.
+(``SpecserveReplica.record_routing_stats``: the engine's running and waiting requests,
+refreshed every ``request_routing_stats_period_s``), or, when more, the requests this router
+has in flight on the replica (exact and immediate, where the reports lag a period behind).
 
 This is SGLang's cache-aware router and Ray Serve LLM's ``PrefixCacheAffinityRouter`` in
 miniature: the table of which replica served which prefix lives in the router, bounded
@@ -40,13 +41,13 @@ class PrefixAffinityRouter(RequestRouter):
         self.imbalance = imbalance
         self.max_entries = max_entries
         self.owners: OrderedDict[str, ReplicaID] = OrderedDict()  # prefix hash -> replica
-        self.sent_since_stats: dict[ReplicaID, int] = {}
+        self.in_flight: dict[ReplicaID, int] = {}  # requests of this router not yet ended
         self.affinity_hits = 0  # requests sent to the replica holding their prefix
 
     def queue_length(self, replica: RunningReplica) -> int:
         stats = replica.routing_stats or {}
         reported = int(stats.get("running", 0)) + int(stats.get("waiting", 0))
-        return reported + self.sent_since_stats.get(replica.replica_id, 0)
+        return max(reported, self.in_flight.get(replica.replica_id, 0))
 
     def holder(self, hashes: list[str], candidates: dict[ReplicaID, RunningReplica]):
         """The candidate that served the longest run of ``hashes`` (None: no candidate did)."""
@@ -75,20 +76,19 @@ class PrefixAffinityRouter(RequestRouter):
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
-        self.sent_since_stats[replica_id] = self.sent_since_stats.get(replica_id, 0) + 1
+        self.in_flight[replica_id] = self.in_flight.get(replica_id, 0) + 1
         for h in hashes_of(pending_request):
             self.owners[h] = replica_id
             self.owners.move_to_end(h)
         while len(self.owners) > self.max_entries:
             self.owners.popitem(last=False)
 
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
-        # Fresh routing stats replace what was counted since the last ones.
-        self.sent_since_stats = {}
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        if self.in_flight.get(replica_id, 0) > 0:
+            self.in_flight[replica_id] -= 1
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
-        self.sent_since_stats.pop(replica_id, None)
+        self.in_flight.pop(replica_id, None)
         for h in [h for h, owner in self.owners.items() if owner == replica_id]:
             del self.owners[h]
