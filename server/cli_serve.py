@@ -43,6 +43,15 @@ def replica_arguments(argv: list[str]) -> list[str]:
     return kept
 
 
+def default_replica_cpus(args: argparse.Namespace) -> float:
+    """Without ``--replica-cpus``: a local cluster shares this machine's cores among its
+    (most) replicas; a replica joining a cluster holds one CPU."""
+    if args.ray_address:
+        return 1.0
+    count = args.max_replicas or args.replicas or 1
+    return max(len(os.sched_getaffinity(0)) / count, 0.5)
+
+
 def _cmd_serve_replicas(args: argparse.Namespace) -> int:
     """``--replicas N`` / ``--ray-address``: the Ray Serve application (server/ray_serve/)."""
     try:
@@ -57,7 +66,7 @@ def _cmd_serve_replicas(args: argparse.Namespace) -> int:
         replicas=args.replicas or 1,
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
-        cpus_per_replica=args.replica_cpus,
+        cpus_per_replica=args.replica_cpus or default_replica_cpus(args),
         gpus_per_replica=args.replica_gpus,
         routing=args.routing,
     )
@@ -155,7 +164,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
                      "routed by prefix and load (default: one process, no Ray)")  # fmt: skip
     ray.add_argument("--min-replicas", type=int, help="autoscale between this ...")
     ray.add_argument("--max-replicas", type=int, help="... and this many replicas")
-    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs each replica holds")
+    ray.add_argument(
+        "--replica-cpus",
+        type=float,
+        help="CPUs each replica holds, and its engine's threads on CPUs "
+        "(default: a local cluster's cores / replicas; with --ray-address: 1)",
+    )
     ray.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs each replica holds")
     ray.add_argument("--ray-address", help="join this Ray cluster (default: start a local one)")
     ray.add_argument("--routing", choices=("prefix", "pow2"), default="prefix",

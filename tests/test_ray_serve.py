@@ -21,14 +21,14 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from server.cli_serve import replica_arguments  # noqa: E402
 from server.ray_serve.app import ClusterPlan  # noqa: E402
-from server.ray_serve.ingress import merge_metrics  # noqa: E402
+from server.ray_serve.ingress import REPLICA_HEADER, merge_metrics  # noqa: E402
 from server.ray_serve.prefix_keys import (  # noqa: E402
     BLOCK_CHARS,
     prefix_hashes,
     prompt_text,
     request_prefix_hashes,
 )
-from server.ray_serve.replica import REPLICA_HEADER, parse_gauges  # noqa: E402
+from server.ray_serve.replica import parse_gauges  # noqa: E402
 from tooling.bench.bench_ray import replica_processes  # noqa: E402
 
 # ------------------------------------------------------------------------------- no cluster
@@ -75,6 +75,14 @@ def test_plans_the_cluster_cannot_hold_are_refused():
     ClusterPlan(replicas=2, cpus_per_replica=1).check_fits({"CPU": 2.0})
 
 
+def test_a_replica_s_engine_runs_the_threads_of_the_cpus_it_holds():
+    assert ClusterPlan(cpus_per_replica=2.5).replica_serve_args() == ["--threads", "2"]
+    assert ClusterPlan(cpus_per_replica=0.5).replica_serve_args() == ["--threads", "1"]
+    given = ["--threads=3", "--decoder", "ngram"]
+    assert ClusterPlan(serve_args=given, cpus_per_replica=1).replica_serve_args() == given
+    assert ClusterPlan(cpus_per_replica=4, gpus_per_replica=1).replica_serve_args() == []
+
+
 def test_replica_metrics_merge_into_one_labelled_text():
     text = (
         "# HELP specserve:num_requests_running Requests running\n"
@@ -100,40 +108,66 @@ def _router(imbalance: int = 2):
 
 def _pending(hashes: list[str]):
     from types import SimpleNamespace
+    from uuid import uuid4
 
     from server.ray_serve.proxied import ProxiedRequest
 
-    return SimpleNamespace(args=[ProxiedRequest("POST", "/v1/chat/completions", [], b"", hashes)])
+    return SimpleNamespace(
+        args=[ProxiedRequest("POST", "/v1/chat/completions", hashes)],
+        metadata=SimpleNamespace(internal_request_id=uuid4().hex),
+    )
+
+
+def _replicas(*names: str):
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(replica_id=name, routing_stats={}) for name in names]
+
+
+def _route(router, replicas, hashes: list[str]):
+    """Choose, then route to the first choice, as Ray does; the replica's name."""
+    import asyncio
+
+    pending = _pending(hashes)
+    best = asyncio.run(router.choose_replicas(replicas, pending))[0][0]
+    router.on_request_routed(pending, best.replica_id, None)
+    return best.replica_id
 
 
 def test_the_router_keeps_a_prefix_on_its_replica_until_its_queue_is_too_long():
-    import asyncio
-    from types import SimpleNamespace
-
     router = _router(imbalance=2)
-    a, b = (SimpleNamespace(replica_id=name, routing_stats={}) for name in ("a", "b"))
-    first = _pending(["h1", "h2"])
-    router.on_request_routed(first, "a", None)
-    router.on_request_completed("a", "r0")
+    a, b = _replicas("a", "b")
+    holder = _route(router, [a, b], ["h1", "h2"])
+    other = b if holder == "a" else a
+    router.on_request_completed(holder, "r0")
     # Many requests later, each ended before the next: still the holder (the queue is empty).
     for i in range(20):
-        chosen = asyncio.run(router.choose_replicas([a, b], _pending(["h1", "h2", "h3"])))
-        assert chosen[0] == [a]
-        router.on_request_routed(_pending(["h1", "h2", "h3"]), "a", None)
-        router.on_request_completed("a", f"r{i + 1}")
-    # Three of its requests in flight, none on b: past the imbalance, two choices instead.
-    for _ in range(3):
-        router.on_request_routed(_pending(["x"]), "a", None)
-    assert asyncio.run(router.choose_replicas([a, b], _pending(["h1"])))[0] != [a]
+        assert _route(router, [a, b], ["h1", "h2", "h3"]) == holder
+        router.on_request_completed(holder, f"r{i + 1}")
+    # Three of its requests in flight, none on the other: past the imbalance, the other.
+    held = a if holder == "a" else b
+    router.in_flight[holder] = 3
+    assert _route(router, [a, b], ["h1"]) == other.replica_id
+    router.on_request_completed(other.replica_id, "x")
     # The replica's own report counts too, when it says more than this router knows.
-    router.on_request_completed("a", "x")
-    b.routing_stats = {"running": 0, "waiting": 0}
-    a.routing_stats = {"running": 1, "waiting": 5}
-    assert asyncio.run(router.choose_replicas([a, b], _pending(["h1"])))[0] != [a]
-    a.routing_stats = {"running": 1, "waiting": 0}
-    assert asyncio.run(router.choose_replicas([a, b], _pending(["h1"])))[0] == [a]
-    # A prefix no replica served: two choices.
-    assert len(asyncio.run(router.choose_replicas([a, b], _pending(["new"])))[0]) == 2
+    router.in_flight[holder] = 0
+    held.routing_stats = {"running": 1, "waiting": 5}
+    assert _route(router, [a, b], ["h1", "h2", "h3", "h4"]) == other.replica_id
+    router.on_request_completed(other.replica_id, "y")
+    held.routing_stats = {"running": 1, "waiting": 0}
+    # h1's longest holder is now the other replica (it served h1..h4 last).
+    assert _route(router, [a, b], ["h1", "h2", "h3", "h4"]) == other.replica_id
+
+
+def test_new_conversations_arriving_together_are_shared_out_evenly():
+    """Chosen but not yet routed counts as queued: eight new prefixes at once split 4 / 4."""
+    import asyncio
+
+    router = _router()
+    replicas = _replicas("a", "b")
+    picks = [asyncio.run(router.choose_replicas(replicas, _pending([f"conversation {i}"])))[0][0]
+             for i in range(8)]  # fmt: skip
+    assert sorted(p.replica_id for p in picks) == ["a"] * 4 + ["b"] * 4
 
 
 # ----------------------------------------------------------------------------- real cluster
@@ -224,11 +258,34 @@ def test_metrics_carry_each_replica_s_series(cluster):
     assert len({s.labels["replica"] for s in running}) == 2
 
 
+def _aborted(base: str) -> float:
+    """Requests the replicas counted as ended by their client leaving."""
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    return sum(
+        s.value for f in text_string_to_metric_families(text) for s in f.samples
+        if s.name == "specserve:request_success_total" and s.labels["finished_reason"] == "abort"
+    )  # fmt: skip
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(cluster):
+    before = _aborted(cluster)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 900, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", f"{cluster}/v1/chat/completions", json=body, timeout=120) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data: "))
+    deadline = time.monotonic() + 30
+    while _aborted(cluster) == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _aborted(cluster) == before + 1, "the replica did not see its client leave"
+
+
 @pytest.mark.parametrize("victim", ["server", "actor"])
 def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster, victim):
-    """Its server or its Ray actor killed: its streams end with an error event and [DONE]; new
-    requests go to the other replica at once; Ray replaces it and /health says so, all within
-    60 s (a dead actor's server goes with it, and the dead replica leaves /health)."""
+    """Its server killed: its streams end with an error event and [DONE]. Its Ray actor killed:
+    the server, which streams to the ingress directly, is stopped by its tether, and its
+    streams end as its shutdown ends them: finished, or with the error event; [DONE] either
+    way. New requests go to the other replica at once; Ray replaces the dead one and /health
+    says so, all within 60 s (a dead actor's server goes with it)."""
     import os
     import signal
 
@@ -242,7 +299,11 @@ def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster, victim):
         os.kill(server_pid if victim == "server" else actor_pid, signal.SIGKILL)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
-    assert "error" in json.loads(rest[-2][6:])
+    last = json.loads(rest[-2][6:])
+    if victim == "server" or "error" in last:
+        assert "error" in last
+    else:
+        assert last["choices"][0]["finish_reason"] == "length"
     response = _chat(cluster, [{"role": "user", "content": "still there?"}])
     assert response.status_code == 200 and response.headers[REPLICA_HEADER] != replica
     deadline = time.monotonic() + 60

@@ -1,6 +1,8 @@
 """The application's front door behind Ray Serve's HTTP proxy: every OpenAI request goes to a
-replica the router picks (``router.py``) and streams back as that replica's server sends it;
-``/metrics`` gathers every replica's series with a ``replica`` label; ``/health`` asks each.
+replica the router picks (``router.py``), whose lease names its server; the ingress sends the
+request there and streams the answer back as that server sends it (``replica.py`` says why
+not through the replica actor). ``/metrics`` gathers every replica's series with a
+``replica`` label; ``/health`` asks each.
 
 A replica that dies mid-stream ends the stream with an OpenAI-shaped error event and
 ``data: [DONE]`` (SSE), or a 503 when nothing was sent yet; Ray replaces the replica and new
@@ -20,11 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from server.ray_serve.prefix_keys import request_prefix_hashes
-from server.ray_serve.proxied import ProxiedRequest, ResponseStart
+from server.ray_serve.proxied import Lease, ProxiedRequest
 from server.ray_serve.registry import registry
 
 app = FastAPI(title="specserve on Ray Serve")
 START_ATTEMPTS = 4  # replicas tried for a request that no replica has begun to answer
+REPLICA_HEADER = "x-specserve-replica"  # which replica answered
+# Hop-by-hop headers, and the length the proxy recomputes.
+DROPPED_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 STREAM_LOST = {
     "error": {
         "message": "the replica serving this request stopped; retry the request",
@@ -76,7 +81,11 @@ class Ingress:
 
     def __init__(self, replicas):
         self.replicas = replicas.options(stream=True)
-        self.client = httpx.AsyncClient(timeout=10.0)
+        self.client = httpx.AsyncClient(timeout=10.0)  # /metrics and /health of the replicas
+        # Requests' answers: as long as a stream lasts; many at once.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        self.streaming = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                           limits=limits)  # fmt: skip
 
     async def _replica_urls(self) -> dict[str, str]:
         if getattr(self, "_registry", None) is None:
@@ -113,40 +122,54 @@ class Ingress:
         status = 200 if any(states.values()) else 503
         return JSONResponse({"replicas": states}, status_code=status)
 
+    async def _lease(self, proxied: ProxiedRequest):
+        """``(lease_stream, Lease)`` from the replica the router picks."""
+        stream = self.replicas.remote(proxied)
+        lease = await stream.__anext__()
+        assert isinstance(lease, Lease)
+        return stream, lease
+
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
         body = await request.body()
         target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
-        proxied = ProxiedRequest(
-            request.method, target, list(request.headers.items()), body,
-            request_prefix_hashes(body) if request.method == "POST" else [],
-        )  # fmt: skip
+        hashes = request_prefix_hashes(body) if request.method == "POST" else []
+        proxied = ProxiedRequest(request.method, target, hashes)
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in DROPPED_HEADERS]
         # Nothing sent yet: a replica that fails now (its server gone, the actor dying) is
         # skipped and the request goes to another.
         for attempt in range(START_ATTEMPTS):
-            stream = self.replicas.remote(proxied)
+            lease_stream = None
             try:
-                start = await stream.__anext__()
+                lease_stream, lease = await self._lease(proxied)
+                upstream = self.streaming.build_request(
+                    request.method, lease.url + target, headers=headers, content=body
+                )
+                response = await self.streaming.send(upstream, stream=True)
                 break
             except StopAsyncIteration:
                 return _error(502, "the replica sent no answer")
             except Exception as exc:
+                if lease_stream is not None:
+                    lease_stream.cancel()
                 if attempt == START_ATTEMPTS - 1:
                     return _error(503, f"no replica could answer: {type(exc).__name__}")
                 await asyncio.sleep(0.5)
-        assert isinstance(start, ResponseStart)
-        headers = dict(start.headers)
-        sse = headers.get("content-type", "").startswith("text/event-stream")
+        kept = {k: v for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS}
+        kept[REPLICA_HEADER] = lease.replica_id
+        sse = kept.get("content-type", "").startswith("text/event-stream")
 
         async def chunks():
             try:
-                async for chunk in stream:
+                async for chunk in response.aiter_raw():
                     yield chunk
-            except asyncio.CancelledError:
-                stream.cancel()  # the client left: the replica's server aborts the request
-                raise
-            except Exception:
+            except httpx.HTTPError:
                 if sse:  # the replica died mid-stream: end the stream cleanly
                     yield f"data: {json.dumps(STREAM_LOST)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                # Done, failed, or the client left (its server sees the disconnect and aborts
+                # the request): the replica's lease ends with it.
+                await response.aclose()
+                lease_stream.cancel()
 
-        return StreamingResponse(chunks(), status_code=start.status, headers=headers)
+        return StreamingResponse(chunks(), status_code=response.status_code, headers=kept)

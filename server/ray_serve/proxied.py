@@ -1,5 +1,5 @@
-"""A request as the ingress hands it to a replica: what the replica's own server needs to
-answer it, and the prefix hashes the router reads (``server/ray_serve/router.py``)."""
+"""What the ingress and a replica hand each other: the request as Ray's router sees it (its
+prefix hashes, read by ``server/ray_serve/router.py``), and the replica's lease on its server."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ from dataclasses import dataclass, field
 class ProxiedRequest:
     method: str
     path: str  # with its query string
-    headers: list[tuple[str, str]]
-    body: bytes
     prefix_hashes: list[str] = field(default_factory=list)
 
 
 @dataclass
-class ResponseStart:
-    """The first item a replica yields: the status and headers of its server's answer; the
-    body's chunks (bytes) follow."""
+class Lease:
+    """A replica's answer: the address of its own server, which the ingress sends the request
+    to; the replica counts the request as ongoing until the ingress ends the lease."""
 
-    status: int
-    headers: list[tuple[str, str]]
+    url: str
+    replica_id: str

@@ -1,16 +1,22 @@
 """One specserve replica in Ray Serve: the existing server and engine, unchanged, in a child
-process on a local port, and a deployment that hands it requests and streams back its answers.
+process on a port of its node, and a deployment that leases it to the ingress.
 
 Running the whole ``specserve serve`` per replica keeps one code path for every feature
-(validation and its 4xx, SSE, logprobs, constraints, the engine process and its watchdog);
-the price is one local HTTP hop per request, which ``bench serve`` measures. The replica
-reports its engine's queue and KV usage to the router (``record_routing_stats``), answers
-Ray's health checks from its server's ``/health`` (a failing replica is replaced), and
-registers its server's address so the ingress can gather every replica's ``/metrics``.
+(validation and its 4xx, SSE, logprobs, constraints, the engine process and its watchdog).
+A request's bytes do not pass through the replica actor: Ray's router picks the replica, whose
+``__call__`` answers with a ``Lease`` (its server's address) and holds it until the ingress,
+having streamed the answer from that server itself, cancels it. Carrying every SSE chunk as a
+Ray object through the actor as well cost a third of the throughput on 2 cores; holding the
+lease keeps Ray's count of each replica's ongoing requests (its ``max_ongoing_requests``,
+autoscaling, the router's queue lengths) true. The replica reports its engine's queue and KV
+usage to the router (``record_routing_stats``), answers Ray's health checks from its
+server's ``/health`` (a failing replica is replaced), and registers its server's address so
+the ingress can gather every replica's ``/metrics``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -20,13 +26,13 @@ import time
 
 import httpx
 
-from server.ray_serve.proxied import ProxiedRequest, ResponseStart
+from server.ray_serve.proxied import Lease, ProxiedRequest
 from server.ray_serve.registry import registry
 
-REPLICA_HEADER = "x-specserve-replica"
 START_TIMEOUT_S = 600.0  # a first start may pull the model and tune the kernels
-# Hop-by-hop headers, and the length the proxy recomputes.
-DROPPED_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
+# A lease whose ingress never ends it (the ingress died mid-request) ends by itself: only the
+# replica's count of ongoing requests was wrong meanwhile.
+LEASE_MAX_S = 3600.0
 
 
 def free_port() -> int:
@@ -64,7 +70,9 @@ class SpecserveReplica:
         from ray import serve  # the optional extra; this module is importable without it
 
         self.port = free_port()
-        self.host = "127.0.0.1"
+        # Alone on one node, the server listens on loopback only; in a cluster the ingress
+        # (on any node) reaches it at its node's address.
+        self.host = "127.0.0.1" if _single_node() else _node_ip()
         context = serve.get_replica_context()
         self.replica_id = replica_name or context.replica_id.unique_id
         # Tethered: a replica Ray kills outright takes its server with it (tethered.py).
@@ -75,9 +83,7 @@ class SpecserveReplica:
         self.base = f"http://{self.host}:{self.port}"
         self.client = httpx.AsyncClient(base_url=self.base, timeout=None)
         self._wait_until_ready()
-        self.url = f"http://{_node_ip()}:{self.port}"
-        registry().add.remote(self.replica_id, self.base if _single_node() else self.url,
-                              _own_actor())  # fmt: skip
+        registry().add.remote(self.replica_id, self.base, _own_actor())
 
     def _wait_until_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -100,28 +106,10 @@ class SpecserveReplica:
             raise RuntimeError(f"the replica's server exited with {self.process.returncode}")
 
     async def __call__(self, request: ProxiedRequest):
-        """Yields a ``ResponseStart``, then the body's chunks as the server sends them."""
+        """Yields a ``Lease`` on this replica's server, then holds it until cancelled."""
         self._exit_if_server_gone()
-        headers = [(k, v) for k, v in request.headers if k.lower() not in DROPPED_HEADERS]
-        upstream = self.client.build_request(
-            request.method, request.path, headers=headers, content=request.body
-        )
-        try:
-            response = await self.client.send(upstream, stream=True)
-        except httpx.TransportError:
-            self._exit_if_server_gone()
-            raise
-        try:
-            kept = [(k, v) for k, v in response.headers.items() if k.lower() not in DROPPED_HEADERS]
-            kept.append((REPLICA_HEADER, self.replica_id))  # which replica answered
-            yield ResponseStart(response.status_code, kept)
-            async for chunk in response.aiter_raw():
-                yield chunk
-        except httpx.TransportError:
-            self._exit_if_server_gone()
-            raise
-        finally:
-            await response.aclose()  # a client gone: the server sees the disconnect and aborts
+        yield Lease(self.base, self.replica_id)
+        await asyncio.sleep(LEASE_MAX_S)
 
     async def metrics_text(self) -> str:
         return (await self.client.get("/metrics")).text

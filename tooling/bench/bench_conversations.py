@@ -44,12 +44,16 @@ def _system_prompt(index: int) -> str:
     return f"You are a patient tutor on {topic} (conversation {index}). {facts}"
 
 
-async def _turn(client, url, model, messages, max_tokens) -> tuple[float, str, int]:
+REPLICA_HEADER = "x-specserve-replica"  # set by a Ray Serve application (server/ray_serve/)
+
+
+async def _turn(client, url, model, messages, max_tokens) -> tuple[float, str, int, str]:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True,
             "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
     started, ttft, text, tokens = time.perf_counter(), None, [], 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
         response.raise_for_status()
+        replica = response.headers.get(REPLICA_HEADER, "")
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -61,7 +65,8 @@ async def _turn(client, url, model, messages, max_tokens) -> tuple[float, str, i
                 if piece:
                     ttft = ttft if ttft is not None else time.perf_counter() - started
                     text.append(piece)
-    return (ttft if ttft is not None else time.perf_counter() - started), "".join(text), tokens
+    ttft = ttft if ttft is not None else time.perf_counter() - started
+    return ttft, "".join(text), tokens, replica
 
 
 async def run_conversations(url: str, model: str, conversations: int, turns: int,
@@ -72,12 +77,15 @@ async def run_conversations(url: str, model: str, conversations: int, turns: int
         hits0, queries0 = await _prefix_counters(client, url)
         ttfts: list[float] = []
         tokens = [0]
+        replicas: dict[int, list[str]] = {}  # conversation -> the replica of each turn
 
         async def conversation(index: int) -> None:
             messages = [{"role": "system", "content": _system_prompt(index)}]
             for turn in range(turns):
                 messages.append({"role": "user", "content": f"Question {turn + 1}, please?"})
-                ttft, text, count = await _turn(client, url, model, messages, max_tokens)
+                ttft, text, count, replica = await _turn(client, url, model, messages,
+                                                         max_tokens)  # fmt: skip
+                replicas.setdefault(index, []).append(replica)
                 ttfts.append(ttft)
                 tokens[0] += count
                 messages.append({"role": "assistant", "content": text})
@@ -94,6 +102,11 @@ async def run_conversations(url: str, model: str, conversations: int, turns: int
         "ttft_p90": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         "tokens_per_s": tokens[0] / seconds,
         "prefix_hit_rate": (hits1 - hits0) / looked_up if looked_up else 0.0,
+        # Turns served elsewhere than the conversation's previous turn; and how many
+        # conversations each replica served first (empty names: not a Ray application).
+        "moves": sum(t[i] != t[i + 1] for t in replicas.values() for i in range(len(t) - 1)),
+        "first_turns": {r: [t[0] for t in replicas.values()].count(r)
+                        for r in sorted({t[0] for t in replicas.values()})},  # fmt: skip
     }
 
 
@@ -106,4 +119,7 @@ def print_conversations(url: str, model: str, conversations: int, turns: int, ma
         f"{ms['ttft_mean']:.0f} ms (p50 {ms['ttft_p50']:.0f}, p90 {ms['ttft_p90']:.0f}), "
         f"{result['tokens_per_s']:.1f} output tok/s"
     )
+    if any(result["first_turns"]):
+        print(f"first turns per replica {result['first_turns']}; {result['moves']} of "
+              f"{conversations * (turns - 1)} later turns went to another replica")  # fmt: skip
     return result

@@ -2,10 +2,12 @@
 
     specserve bench ray [--replicas 2] [--streams 40] [--max-tokens 64] [--kill server|actor]
 
-In one run: (1) one ``specserve serve`` takes ``streams`` concurrent streaming chats; (2) the
-same server as ``--replicas N`` on a local Ray cluster (each replica holding cores / N CPUs)
-takes the same load: output tokens/s of both, their ratio, and what the cluster costs per
-output token; (3) while the cluster streams ``streams`` long answers, one replica is killed
+In one run, the same ``streams`` concurrent streaming chats against (1) one ``specserve
+serve``; (2) N of them without Ray, each on cores / N threads, the streams shared out evenly:
+what splitting the machine costs; (3) ``--replicas N`` on a local Ray cluster (each replica
+holding cores / N CPUs): what Ray's proxy, the ingress and routing cost on top. Output tokens/s
+of each, the ratios, and each cost in milliseconds a token of a stream. Then (4) while the
+cluster streams ``streams`` long answers, one replica is killed
 (its server, or its Ray actor): every stream must complete or end with an error event and
 ``[DONE]``; printed are the counts, how long until a new request is answered, and until the
 cluster has all its replicas healthy again.
@@ -26,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from tooling.bench.bench_serve import (
+    LoadResult,
     chat_messages,
     free_port,
     report,
@@ -34,7 +37,7 @@ from tooling.bench.bench_serve import (
     stop_server,
 )
 
-REPLICA_HEADER = "x-specserve-replica"  # server/ray_serve/replica.py; Ray need not be importable
+REPLICA_HEADER = "x-specserve-replica"  # server/ray_serve/ingress.py, which imports Ray
 
 
 def replica_processes(replica_id: str) -> tuple[int, int]:
@@ -156,46 +159,72 @@ def _serve_command(model: str | None, config: str | None, port: int, extra: list
     return command + extra
 
 
+async def _split_load(name: str, urls: list[str], model: str, streams: int, max_tokens: int,
+                      extra: dict) -> LoadResult:  # fmt: skip
+    """``streams`` shared out among ``urls`` (no router: as even as can be), all at once."""
+    shares = [streams // len(urls) + (i < streams % len(urls)) for i in range(len(urls))]
+    loads = await asyncio.gather(*(
+        run_load(name, url, model, share, share, max_tokens, extra)
+        for url, share in zip(urls, shares, strict=True) if share
+    ))  # fmt: skip
+    return LoadResult(name, max(load.wall for load in loads),
+                      [r for load in loads for r in load.results])  # fmt: skip
+
+
 def run_ray_bench(model: str | None, config: str | None, replicas: int, streams: int,
                   max_tokens: int, kill: str | None) -> dict:  # fmt: skip
     """Prints the comparison (and the kill's outcome); returns its numbers."""
     cores = len(os.sched_getaffinity(0))
     cpus = max(cores / replicas, 0.5)
+    threads = str(max(1, int(cpus)))  # what each replica's engine runs (ClusterPlan)
     log_dir = tempfile.mkdtemp(prefix="specserve-bench-ray-")
-    rows: dict[str, dict] = {}
     print(f"{streams} streams of {max_tokens} tokens; {cores} cores; logs in {log_dir}")
     print("| server | output tokens | wall s | tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|")
+    # Usage in every stream: the servers' own token counts, no tokenizer needed.
+    body = {"ignore_eos": True, "stream_options": {"include_usage": True}}
+    rows: dict[str, float] = {}
     result: dict = {}
-    for name, extra in (
-        ("one specserve serve", []),
+    plans = (
+        ("one specserve serve", [[]]),
+        (f"{replicas} specserve serve, {threads} thread(s) each, no Ray",
+         [["--threads", threads]] * replicas),
         (f"{replicas} replicas on Ray Serve",
-         ["--replicas", str(replicas), "--replica-cpus", f"{cpus:g}"]),
-    ):  # fmt: skip
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        log = f"{log_dir}/{name.split()[0]}.log"
-        proc = start_server(_serve_command(model, config, port, extra), url, log, timeout=900)
+         [["--replicas", str(replicas), "--replica-cpus", f"{cpus:g}"]]),
+    )  # fmt: skip
+    for index, (name, servers) in enumerate(plans):
+        urls, procs = [], []
         try:
-            if extra:
-                wait_for_replicas(url, replicas, 900)
-            served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-            # Usage in every stream: the servers' own token counts, no tokenizer needed.
-            extra_body = {"ignore_eos": True, "stream_options": {"include_usage": True}}
-            load = asyncio.run(run_load(name, url, served, streams, streams, max_tokens,
-                                        extra_body))  # fmt: skip
-            rows[name] = report(load, None)
-            if extra and kill:
-                outcome = asyncio.run(_kill_under_load(url, served, streams, 4 * max_tokens,
-                                                       kill, replicas))  # fmt: skip
-                result["kill"] = outcome
+            for number, extra in enumerate(servers):
+                port = free_port()
+                urls.append(f"http://127.0.0.1:{port}")
+                log = f"{log_dir}/{index}-{number}.log"
+                command = _serve_command(model, config, port, extra)
+                procs.append(start_server(command, urls[-1], log, timeout=900))
+            on_ray = "--replicas" in servers[0]
+            if on_ray:
+                wait_for_replicas(urls[0], replicas, 900)
+            served = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+            load = asyncio.run(_split_load(name, urls, served, streams, max_tokens, body))
+            rows[name] = report(load, None)["tokens_per_s"]
+            if on_ray and kill:
+                result["kill"] = asyncio.run(_kill_under_load(
+                    urls[0], served, streams, 4 * max_tokens, kill, replicas
+                ))  # fmt: skip
         finally:
-            stop_server(proc)
-    single, cluster = (rows[k]["tokens_per_s"] for k in rows)
-    cost_ms = (1 / cluster - 1 / single) * 1e3 * streams  # per token of one stream
-    result |= {"single_tokens_per_s": single, "cluster_tokens_per_s": cluster}
-    print(f"\n{replicas} replicas / one server: {cluster / single:.2f}x output tokens/s "
-          f"({cost_ms:+.2f} ms per token of a stream)")  # fmt: skip
+            for proc in procs:
+                stop_server(proc)
+    single, split, cluster = rows.values()
+
+    def per_token_ms(slow: float, fast: float) -> float:  # added to each token of a stream
+        return (1 / slow - 1 / fast) * 1e3 * streams
+
+    result |= {"single": single, "split": split, "cluster": cluster}
+    print(f"\n{replicas} replicas on Ray / one server: {cluster / single:.2f}x output tokens/s; "
+          f"of which splitting the cores: {split / single:.2f}x "
+          f"({per_token_ms(split, single):+.1f} ms a token of a stream), Ray's proxy, ingress "
+          f"and routing: {cluster / split:.2f}x "
+          f"({per_token_ms(cluster, split):+.1f} ms)")  # fmt: skip
     if "kill" in result:
         k = result["kill"]
         print(f"killed one replica's {kill} under {streams} streams: {k.completed} completed, "
