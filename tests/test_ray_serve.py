@@ -237,6 +237,33 @@ def test_streams_through_ray_s_proxy(cluster):
     assert bad.status_code == 400 and "messages" in bad.text  # the replica's own validation
 
 
+def test_websocket_requests_are_relayed_to_a_replica(cluster):
+    import asyncio
+
+    import websockets
+
+    async def talk() -> list[dict]:
+        url = cluster.replace("http", "ws", 1) + "/v1/ws"
+        async with websockets.connect(url, subprotocols=["specserve"]) as ws:
+            assert ws.subprotocol == "specserve"  # the replica's server chose it
+            request = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 5, "request_id": "r1"}  # fmt: skip
+            await ws.send(json.dumps(request))
+            await ws.send(json.dumps({"model": "tiny", "request_id": "bad"}))
+            received = []
+            while sum(m.get("type") in ("done", "error") for m in received) < 2:
+                received.append(json.loads(await ws.recv()))
+            return received
+
+    received = asyncio.run(talk())
+    chunks = [m for m in received if m.get("request_id") == "r1" and "choices" in m]
+    assert chunks and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert any(m.get("type") == "done" and m["request_id"] == "r1" for m in received)
+    errors = [m for m in received if m.get("type") == "error"]  # the replica's own validation
+    assert [e["request_id"] for e in errors] == ["bad"]
+    assert errors[0]["error"]["type"] == "invalid_request_error"
+
+
 def test_a_conversation_stays_on_the_replica_holding_its_prefix(cluster):
     served: dict[int, set[str]] = {}
     for turn in range(3):

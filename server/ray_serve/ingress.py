@@ -12,10 +12,12 @@ requests go to the others meanwhile.
 # No `from __future__ import annotations`: Ray Serve rebuilds the routes' signatures for the
 # class-based view, and string annotations (``request: "Request"``) then go unresolved.
 import asyncio
+import contextlib
 import json
 
 import httpx
-from fastapi import FastAPI, Request
+import websockets
+from fastapi import FastAPI, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -73,6 +75,33 @@ def merge_metrics(texts: dict[str, str]) -> bytes:
     return generate_latest(registry_)
 
 
+async def _relay(client: WebSocket, upstream) -> None:
+    """Messages both ways until either side closes; the other side is then closed too."""
+
+    async def up() -> None:
+        try:
+            while True:
+                await upstream.send(await client.receive_text())
+        except WebSocketDisconnect:
+            await upstream.close()
+
+    async def down() -> None:
+        async for message in upstream:
+            await client.send_text(message if isinstance(message, str) else message.decode())
+        await client.close(code=upstream.close_code or 1000)
+
+    tasks = [asyncio.create_task(up()), asyncio.create_task(down())]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        for task in done:
+            task.result()  # a failure of the replica's side: the caller closes with 1011
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 # Decorated here, at import: Ray Serve binds the routes to the class in each process that
 # imports this module (applied inside a function, the replica's copy kept unbound routes).
 @serve.ingress(app)
@@ -128,6 +157,34 @@ class Ingress:
         lease = await stream.__anext__()
         assert isinstance(lease, Lease)
         return stream, lease
+
+    @app.websocket("/v1/ws")
+    async def websocket(self, client: WebSocket) -> None:
+        """A connection is relayed, message by message, to the WebSocket of the replica the
+        router picks (the shortest queue: a connection has no prompt yet); the connection
+        holds that replica's lease while it lasts. The replica's server does the checks
+        (origin, key) and the protocol; a replica that dies closes the connection (1011)."""
+        offered = client.scope.get("subprotocols") or []
+        key = client.headers.get("authorization")
+        try:
+            lease_stream, lease = await self._lease(ProxiedRequest("GET", "/v1/ws"))
+        except Exception:
+            await client.close(code=1013)  # try again later
+            return
+        try:
+            async with websockets.connect(
+                lease.url.replace("http", "ws", 1) + "/v1/ws",
+                subprotocols=offered or None,
+                additional_headers={"authorization": key} if key else None,
+                origin=client.headers.get("origin"),
+            ) as upstream:  # fmt: skip
+                await client.accept(subprotocol=upstream.subprotocol)
+                await _relay(client, upstream)
+        except (OSError, websockets.InvalidHandshake, websockets.ConnectionClosedError):
+            with contextlib.suppress(RuntimeError):  # already closed
+                await client.close(code=1011)
+        finally:
+            lease_stream.cancel()
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])
     async def forward(self, path: str, request: Request) -> Response:
