@@ -449,7 +449,15 @@ class SweepRow:
             return "-"
         later, earlier = halves
         p99 = [percentiles(h.all("token_gaps"))[2] for h in halves]
-        return f"{later.rate / earlier.rate:.2f}x / {p99[0] / p99[1]:.2f}x"
+        return f"{ratio_text(later.rate / earlier.rate)} / {ratio_text(p99[0] / p99[1])}"
+
+
+def ratio_text(ratio: float) -> str:
+    """``1.23x``; a ratio too small for two decimals in two significant digits (a loaded
+    machine can make one half's few gaps tiny: "0.00x" read as nothing), "-" for no number."""
+    if not math.isfinite(ratio) or ratio <= 0:
+        return "-"
+    return f"{ratio:.2f}x" if ratio >= 0.01 else f"{ratio:.2g}x"
 
 
 def _sweep(url, model, tokenizer, method, concurrencies, requests_per_stream, max_tokens, rounds):
