@@ -347,6 +347,38 @@ def test_a_replica_killed_mid_stream_ends_its_streams_cleanly(cluster, victim):
     assert not _alive(server_pid), "the killed replica's server outlived it"
 
 
+def test_a_tether_killed_outright_takes_its_server_with_it(tiny_chat_model_dir):
+    """SIGKILL leaves the tether no time to stop its server: the server's death signal
+    (set before it runs) stops it, and its engine process with it."""
+    import os
+
+    repo = Path(__file__).resolve().parents[1]
+    port = _free_port()
+    tether = subprocess.Popen(
+        [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()), "t", "serve",
+         "--model", str(tiny_chat_model_dir), "--port", str(port)],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        server = int(Path(f"/proc/{tether.pid}/task/{tether.pid}/children").read_text().split()[0])
+        tether.kill()
+        tether.wait()
+        deadline = time.monotonic() + 45
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _alive(server), "the server outlived its tether"
+    finally:
+        tether.kill()
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -18,11 +18,25 @@ import time
 
 POLL_S = 0.5
 GRACE_S = 40.0  # the server's own shutdown timeout (30 s) and some
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+def _die_with_the_tether() -> None:
+    """In the server, before it runs: SIGTERM it when the tether dies, however it dies (a
+    tether killed outright cannot stop it; its server was seen left behind, orphaned)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the tether's own watch remains
+        pass
 
 
 def main(argv: list[str]) -> int:
     parent, args = int(argv[0]), argv[2:]
-    child = subprocess.Popen([sys.executable, "-m", "tooling.cli", *args])
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tooling.cli", *args], preexec_fn=_die_with_the_tether
+    )
 
     def stop(*_):
         if child.poll() is None:
