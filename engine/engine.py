@@ -126,6 +126,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         # Requests with a continuation aborted since the last step: that step reports them.
         self._aborted_since_step: set[str] = set()
+        self._last_step_started: float | None = None  # the previous step's, if it ran any
 
     def _precapture_graphs(self) -> None:
         """The target's CUDA graphs of decode steps and, with drafting decoders, of every
@@ -376,6 +377,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled forward pass; returns the requests that got new tokens or had a
         continuation aborted since the last step (finished ones are then removed)."""
+        step_started = time.perf_counter()
+        if self.speculator is not None and self._last_step_started is not None:
+            self.speculator.observe_step_interval(step_started - self._last_step_started)
+        self._last_step_started = None
         if self.threads is not None:
             self.threads.tick()
         spec = self.speculator
@@ -390,6 +395,10 @@ class Engine:
         for out in outputs:
             if out.finished:
                 del self.requests[out.request_id]
+        if scheduled:
+            # From this step's start to the next one's: the loop around the steps (outputs
+            # to the detokenizer or the API process) is part of what each step costs.
+            self._last_step_started = step_started
         return outputs
 
     def _run(self, scheduled: list[ScheduledSequence], proposals: dict) -> dict[Sequence, int]:

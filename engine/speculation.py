@@ -33,6 +33,9 @@ from engine.sequence import Sequence
 # Tokens a drafter may be behind beyond the drafts it is asked for (the accepted ones and the
 # bonus token of the last step) while its drafting time still counts as a step's.
 CATCH_UP_SLACK = 2
+# A gap between two steps' starts that exceeds the step by more than this share of it is
+# idle time (no request to run), not the loop's overhead.
+IDLE_GAP_RATIO = 1.0
 
 
 @dataclass
@@ -241,6 +244,14 @@ class Speculator:
             self.policy.observe_step(tokens, seconds, keys, drafted)
             self.measured_step_seconds = seconds + self._step_draft_seconds
             self._step_draft_seconds = 0.0
+
+    def observe_step_interval(self, seconds: float) -> None:
+        """The last step began ``seconds`` before this one: what its forward pass and drafting
+        did not take is the policy's per-step overhead. A gap far longer than the step (the
+        engine sat idle, waiting for requests) says nothing of it."""
+        measured = self.measured_step_seconds
+        if self.policy is not None and measured and seconds - measured <= IDLE_GAP_RATIO * measured:
+            self.policy.observe_overhead(seconds - measured)
 
     def _max_drafts(self, seq: Sequence) -> int:
         k = self.num_speculative_tokens

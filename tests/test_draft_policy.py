@@ -437,3 +437,39 @@ def test_the_policy_prices_drafting_without_a_drafter_s_catch_up(tiny_model_dir,
     llm.generate([list(range(20, 80))], SamplingParams(temperature=0, max_tokens=24))
     assert max(calls) >= 60  # the first draft read the prompt
     assert observed and all(b <= 2 + CATCH_UP_SLACK for b in observed)
+
+
+def test_a_step_s_overhead_outside_the_forward_counts_for_drafting():
+    """The loop around each step costs the same whether it drafts or not, so it favours the
+    step that emits more tokens: with a forward of 3 ms plain and 4.4 ms verifying one draft,
+    0.4 ms drafting it and drafts right half the time, drafting loses (1.5 / 4.8 ms against
+    1 / 3 ms) until the 1.5 ms the loop adds to each step counts (1.5 / 6.3 ms against
+    1 / 4.5 ms)."""
+    policy = trained_policy(lambda n: 0.003 + 0.0014 * (n - 1), 0.0004, acceptance=0.5, cap=1)
+    assert 0.42 < policy.decoders["d"].expected_accepted(1) < 0.58
+    assert policy.choose("d", num_seqs=1, cap=1) == 0
+    for _ in range(100):
+        policy.observe_overhead(0.0015)
+    assert policy.cost.overhead == pytest.approx(0.0015, rel=1e-3)
+    assert policy.choose("d", num_seqs=1, cap=1) == 1
+
+
+def test_the_engine_measures_the_loop_between_its_steps(tiny_model_dir):
+    """From one step's start to the next, less the step's forward and drafting; the gap of an
+    engine waiting for work is not counted."""
+    from engine.speculation import IDLE_GAP_RATIO
+
+    llm = LLM(model=str(tiny_model_dir), decoder={"method": "ngram", "draft_policy": "goodput"})
+    spec = llm.engine.speculator
+    seen = []
+    observe = spec.policy.observe_overhead
+    spec.policy.observe_overhead = lambda s: (seen.append(s), observe(s))
+    llm.generate([list(range(20, 60))], SamplingParams(temperature=0, max_tokens=16))
+    assert seen and all(0 <= s for s in seen)
+    before = len(seen)
+    time.sleep(0.3)  # idle: far longer than a tiny model's step
+    spec.measured_step_seconds = 0.001
+    spec.observe_step_interval(0.3)
+    assert len(seen) == before
+    spec.observe_step_interval(0.001 * (1 + IDLE_GAP_RATIO / 2))
+    assert len(seen) == before + 1
