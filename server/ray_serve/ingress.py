@@ -24,12 +24,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from server.ray_serve.prefix_keys import request_prefix_hashes
-from server.ray_serve.proxied import Lease, ProxiedRequest
+from server.ray_serve.proxied import REPLICA_HEADER, Lease, ProxiedRequest
 from server.ray_serve.registry import registry
 
 app = FastAPI(title="specserve on Ray Serve")
 START_ATTEMPTS = 4  # replicas tried for a request that no replica has begun to answer
-REPLICA_HEADER = "x-specserve-replica"  # which replica answered
 # Hop-by-hop headers, and the length the proxy recomputes.
 DROPPED_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 STREAM_LOST = {

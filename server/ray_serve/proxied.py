@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The header naming the replica that answered (importable without Ray, for the benches).
+REPLICA_HEADER = "x-specserve-replica"
+
 
 @dataclass
 class ProxiedRequest:

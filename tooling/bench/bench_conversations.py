@@ -22,6 +22,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from server.ray_serve.proxied import REPLICA_HEADER
 from tooling.bench.bench import TOPICS
 
 HITS, QUERIES = "specserve:prefix_cache_hits", "specserve:prefix_cache_queries"
@@ -44,7 +45,6 @@ def _system_prompt(index: int) -> str:
     return f"You are a patient tutor on {topic} (conversation {index}). {facts}"
 
 
-REPLICA_HEADER = "x-specserve-replica"  # set by a Ray Serve application (server/ray_serve/)
 
 
 async def _turn(client, url, model, messages, max_tokens) -> tuple[float, str, int, str]:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from server.ray_serve.proxied import REPLICA_HEADER
 from tooling.bench.bench_serve import (
     LoadResult,
     chat_messages,
@@ -36,8 +37,6 @@ from tooling.bench.bench_serve import (
     start_server,
     stop_server,
 )
-
-REPLICA_HEADER = "x-specserve-replica"  # server/ray_serve/ingress.py, which imports Ray
 
 
 def replica_processes(replica_id: str) -> tuple[int, int]:
