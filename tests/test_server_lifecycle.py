@@ -51,13 +51,26 @@ def test_metric_series_exist_before_any_request(server):
     assert 'specserve:time_to_first_token_seconds_count{model_name="tiny"} 0.0' in text
 
 
+def aborted(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    series = f'specserve:request_success_total{{finished_reason="abort",model_name="{MODEL}"}} '
+    lines = [line for line in text.splitlines() if line.startswith(series)]
+    return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+
 def test_sse_disconnect_aborts_and_frees_blocks(server):
-    with httpx.stream("POST", server.url + "/v1/completions", json=LONG, timeout=60) as r:
+    before = aborted(server)
+    # 1000 tokens: seconds of work, so the request can only end by the client leaving.
+    body = {**LONG, "max_tokens": 1000}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(6):
             next(lines)
         assert metric(server, "kv_cache_usage_perc") > 0
     wait_until_idle(server)
+    # Counted by how it ended, and named so in the request's log line.
+    assert aborted(server) == before + 1
+    assert "finished_reason=abort" in server.log_tail(20000)
 
 
 def test_websocket_disconnect_aborts_and_frees_blocks(server):
