@@ -14,6 +14,10 @@ def _common_options(args: argparse.Namespace) -> dict:
     None for the built-in prompts."""
     if min(args.num_prompts, args.held_out, args.max_tokens, args.epochs) < 1:
         raise ValueError("--num-prompts, --held-out, --max-tokens, --epochs must be >= 1")
+    if args.data_from and not args.data:
+        raise ValueError("--data-from leaves out part of --data: give --data")
+    if args.data_from and args.data_tokens and args.data_from >= args.data_tokens:
+        raise ValueError("--data-from must be below --data-tokens (both count from the start)")
     prompts = None
     if args.prompts:
         lines = [line.strip() for line in Path(args.prompts).read_text().splitlines()]
@@ -37,6 +41,8 @@ def _common_options(args: argparse.Namespace) -> dict:
         "prompts": prompts,
         "data": Path(args.data) if args.data else None,
         "data_tokens": args.data_tokens,
+        "data_from": args.data_from,
+        "init_from": args.init_from,
     }
 
 
@@ -379,6 +385,18 @@ def _add_common_arguments(p: argparse.ArgumentParser) -> None:
         "--data-tokens",
         type=parse_token_count,
         help="train on the first N answer tokens of --data, e.g. 2M (default all)",
+    )
+    p.add_argument(
+        "--data-from",
+        type=parse_token_count,
+        help="leave out the first N answer tokens of --data (whole conversations), e.g. to "
+        "train a drafter on from --init-from with the data it has not seen",
+    )
+    p.add_argument(
+        "--init-from",
+        help="start from this drafter (a directory: ours or a public layout; or 'shipped', the "
+        "one shipped for the model): its weights and draft vocabulary, a fresh optimizer and "
+        "learning-rate schedule",
     )
     p.add_argument("--num-prompts", type=int, default=480, help="training prompts")
     p.add_argument("--held-out", type=int, default=48, help="held-out prompts")

@@ -19,13 +19,19 @@ from tooling.training.shards import build_from_file, default_root, load_split, r
 def training_splits(llm, options, root: Path | None = None) -> dict[str, FeatureSplit]:
     """The training and held-out splits a drafter learns from: the shards of
     ``options.data`` (``specserve train data``), up to ``options.data_tokens`` answer tokens of
-    training; else the built-in prompts (or ``options.prompts``) answered now and cached in
-    the output directory."""
+    training, less the first ``options.data_from``; else the built-in prompts (or
+    ``options.prompts``) answered now and cached in the output directory."""
     # A conversations file is answered now and kept in the cache (``root``: already done).
     root = root or shard_root(llm, options)
     if root is not None:
+        train = load_split(root / "train", options.data_tokens, options.data_from or 0)
+        if not train.sequences:
+            raise ValueError(
+                f"{root / 'train'}: no conversations after the first {options.data_from:,} "
+                "answer tokens (--data-from)"
+            )
         return {
-            "train": load_split(root / "train", options.data_tokens),
+            "train": train,
             "held_out": load_split(root / "held_out"),
         }
     prompts = options.prompts or train_and_held_out(

@@ -32,6 +32,8 @@ class TrainingRun:
     # (answer tokens trained on so far, held-out accuracies then), when the trainer keeps one.
     learning_curve: list[tuple[int, list]] = field(default_factory=list)
     tokens_seen: int = 0  # answer tokens of the batches stepped on, for the learning curve
+    # The drafter an --init-from run started from, and how much that one had learnt from.
+    started_from: dict | None = None
     started: float = field(default_factory=time.monotonic)
 
 
@@ -191,6 +193,7 @@ def write_drafter(
             "data": _data_description(options),
             "training_answer_tokens": num_answer_tokens,
             "resumed_after_epoch": run.first_epoch,
+            **({"started_from": run.started_from} if run.started_from else {}),
             "epoch_losses": run.epoch_losses,
             "learning_curve": run.learning_curve,
             "minutes": round(minutes, 1),

@@ -15,27 +15,35 @@ from tooling.training.shards import layer_directory, load_shard, save_layer_rows
 
 
 def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: int,
-                          progress=None) -> list[torch.Tensor]:  # fmt: skip
-    """Per conversation of the split's first ``count`` (in ``load_split``'s order), [len,
-    layers * d] float16: the layers' outputs side by side. ``progress(n)`` counts
+                          progress=None, first: int = 0) -> list[torch.Tensor]:  # fmt: skip
+    """Per conversation first .. first + count - 1 of the split (in ``load_split``'s order),
+    [len, layers * d] float16: the layers' outputs side by side. ``progress(n)`` counts
     conversations, read back or computed."""
     kept = layer_directory(split, layers)
     rows: list[torch.Tensor] = []
+    position = 0  # index of the shard's first conversation
     for path in shard_paths(Path(split)):
-        if len(rows) >= count:
+        if position >= first + count:
             break
         cache = kept / path.name
         if cache.is_file():
             shard = torch.load(cache, weights_only=True, mmap=True)  # as load_shard: mapped
-            if progress is not None:
-                progress(len(shard))
+            counted = False
         else:
             sequences = [c.tokens for c in load_shard(path)]
+            if position + len(sequences) <= first:  # wholly before: never computed
+                position += len(sequences)
+                continue
             shard = [
                 r.to(torch.float16)
                 for r in sequence_features(model, sequences, progress=progress, layer=layers)
             ]
             save_layer_rows(Path(split), layers, path.name, shard)
             shard = torch.load(cache, weights_only=True, mmap=True)  # the file's pages, not ours
-        rows += shard
-    return rows[:count]
+            counted = True
+        wanted = shard[max(0, first - position) : first + count - position]
+        if progress is not None and not counted:
+            progress(len(wanted))
+        rows += wanted
+        position += len(shard)
+    return rows

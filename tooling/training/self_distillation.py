@@ -173,6 +173,9 @@ class FeatureSplit:
     starts: list[int]
     features: list[torch.Tensor]  # per sequence [len, d], float16
     spans: list[list[tuple[int, int]]] | None = None
+    # Index of the first conversation in its shards' order (``load_split`` skipping some): what
+    # per-shard caches beside the shards (``layer_cache``) are indexed by.
+    first: int = 0
 
     def answer_spans(self, i: int) -> list[tuple[int, int]]:
         """[start, end) of sequence ``i``'s answer tokens, turn by turn."""

@@ -341,9 +341,11 @@ def _ensure_shard(llm, directory: Path, recipe: Recipe, split: str, index: int,
     return sum(c.answer_tokens for c in conversations)
 
 
-def load_split(directory: Path, max_answer_tokens: int | None = None):
+def load_split(directory: Path, max_answer_tokens: int | None = None, skip_answer_tokens: int = 0):
     """The conversations of ``directory``'s shards as a ``FeatureSplit``, in shard order, up to
-    ``max_answer_tokens`` answer tokens (whole conversations; None: all)."""
+    ``max_answer_tokens`` answer tokens counted from the first shard (whole conversations;
+    None: all), leaving out those that start within the first ``skip_answer_tokens`` (data a
+    drafter continued with ``--init-from`` has already seen)."""
     paths = shard_paths(Path(directory))
     if not paths:
         raise ValueError(f"{directory}: no shards (make them with `specserve train data`)")
@@ -353,6 +355,10 @@ def load_split(directory: Path, max_answer_tokens: int | None = None):
         for c in load_shard(path):
             if max_answer_tokens is not None and total >= max_answer_tokens:
                 return split
+            if total < skip_answer_tokens:
+                total += c.answer_tokens
+                split.first += 1
+                continue
             split.sequences.append(c.tokens)
             split.starts.append(c.spans[0][0])
             split.features.append(c.features)

@@ -33,6 +33,7 @@ from tooling.training.self_distillation import (
     padded,
 )
 from tooling.training.train_heads import draft_vocabulary
+from tooling.training.warm_start import initial_drafter
 
 # EAGLE's weights: regression 1, classification 0.1; deeper depths count less (EAGLE-3).
 CLASSIFICATION_WEIGHT, DEPTH_DECAY = 0.1, 0.8
@@ -61,6 +62,8 @@ class EagleTrainOptions:
     prompts: tuple[list, list] | None = None
     data: Path | None = None  # shards of `specserve train data` instead of the prompts
     data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
+    data_from: int | None = None  # leave out the shards' first N training answer tokens
+    init_from: str | None = None  # a drafter directory (or "shipped") to train on from
 
 
 def _batch(split: FeatureSplit, index: list[int], embed):
@@ -212,13 +215,16 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     splits = training_splits(llm, options)
     train = splits["train"]
     labels = train.answer_labels()
-    vocab = draft_vocabulary(labels, options.draft_vocab_size)
+    # (EAGLE's shape stores input_norm only when it is off.)
+    wanted = {} if options.input_norm else {"input_norm": False}
+    start = initial_drafter(options, "eagle", EagleNetwork, model, run, wanted)
+    vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()
 
     rope_of = padded_rope(model)
-    network = EagleNetwork(
+    network = start.network if start else EagleNetwork(
         arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
         arch.intermediate_size, arch.rms_norm_eps, input_norm=options.input_norm,
     )  # fmt: skip

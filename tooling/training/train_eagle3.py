@@ -37,6 +37,7 @@ from tooling.training.train_eagle import (
     unrolled_outputs,
 )
 from tooling.training.train_heads import draft_vocabulary
+from tooling.training.warm_start import initial_drafter
 
 
 @dataclass
@@ -45,12 +46,15 @@ class Eagle3TrainOptions(EagleTrainOptions):
 
 
 def layer_features(model, sequences: list[list[int]], layers: tuple[int, ...], what: str,
-                   shards: Path | None = None):  # fmt: skip
+                   shards: Path | None = None, first: int = 0):  # fmt: skip
     """Per sequence, [len, layers * d] float16: the layers' outputs side by side; for the
-    split of a shard directory ``shards``, computed once and kept beside its shards."""
+    split of a shard directory ``shards`` (``sequences`` from its conversation ``first`` on),
+    computed once and kept beside its shards."""
     with progress_bar(len(sequences), f"{what} layer features") as bar:
         if shards is not None:
-            return cached_layer_features(model, shards, layers, len(sequences), bar.update)
+            return cached_layer_features(
+                model, shards, layers, len(sequences), bar.update, first
+            )
         rows = sequence_features(model, sequences, progress=bar.update, layer=layers)
     return [r.to(torch.float16) for r in rows]
 
@@ -82,23 +86,28 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     torch.manual_seed(options.seed)
     model = llm.engine.model
     arch = model.arch
-    layers = tuple(options.feature_layers or default_feature_layers(arch.num_layers))
+    wanted = {"feature_layers": list(options.feature_layers)} if options.feature_layers else {}
+    start = initial_drafter(options, "eagle3", Eagle3Network, model, run, wanted)
+    if start:
+        layers = tuple(start.network.shape["feature_layers"])
+    else:
+        layers = tuple(options.feature_layers or default_feature_layers(arch.num_layers))
     root = shard_root(llm, options)
     splits = training_splits(llm, options, root)
     train, held_out = splits["train"], splits["held_out"]
     labels = train.answer_labels()
-    vocab = draft_vocabulary(labels, options.draft_vocab_size)
+    vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()  # the teacher's rows
     inputs = {
         name: layer_features(model, split.sequences, layers, what,
-                             None if root is None else root / name)  # fmt: skip
+                             None if root is None else root / name, split.first)  # fmt: skip
         for name, split, what in (("train", train, "training"), ("held_out", held_out, "held-out"))
     }
 
     rope_of = padded_rope(model)
-    network = new_network(model, vocab, layers)
+    network = start.network if start else new_network(model, vocab, layers)
     optimizer = torch.optim.AdamW(network.parameters(), lr=options.learning_rate)
 
     def fused(split: str, index: list[int]) -> torch.Tensor:

@@ -24,6 +24,7 @@ from engine.toolkit import HydraHeads, MedusaHeads, TrainedDrafter, rank_tree
 from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.self_distillation import answer_features
+from tooling.training.warm_start import initial_drafter
 
 HEADS = {"medusa": MedusaHeads, "hydra": HydraHeads}
 
@@ -52,6 +53,8 @@ class HeadsTrainOptions:
     prompts: tuple[list, list] | None = None
     data: Path | None = None  # shards of `specserve train data` instead of the prompts
     data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
+    data_from: int | None = None  # leave out the shards' first N training answer tokens
+    init_from: str | None = None  # a drafter directory (or "shipped") to train on from
 
 
 def _data(llm, options: HeadsTrainOptions) -> dict:
@@ -136,7 +139,9 @@ def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
     train_inputs = tokens_ahead(data["train"], 1, options.num_heads)
     held_inputs = tokens_ahead(data["held_out"], 1, options.num_heads)
     embed = model.embed
-    vocab = draft_vocabulary(train_labels, options.draft_vocab_size)
+    start = initial_drafter(options, options.kind, HEADS[options.kind], model, run,
+                            {"num_heads": options.num_heads})  # fmt: skip
+    vocab = start.draft_vocab if start else draft_vocabulary(train_labels, options.draft_vocab_size)
     covered = torch.isin(train_labels[train_labels >= 0], vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()
@@ -147,7 +152,10 @@ def run_train_heads(llm, options: HeadsTrainOptions) -> TrainedDrafter:
     held_for_accuracy[held_labels == -1] = -1
     features = data["train"]["features"]
 
-    heads = HEADS[options.kind](options.num_heads, model.arch.hidden_size)
+    if start:
+        heads = start.network
+    else:
+        heads = HEADS[options.kind](options.num_heads, model.arch.hidden_size)
     optimizer = torch.optim.Adam(heads.parameters(), lr=options.learning_rate)
     loss_fn = nn.CrossEntropyLoss(ignore_index=-100)
 

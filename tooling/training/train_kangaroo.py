@@ -28,6 +28,7 @@ from tooling.training.self_distillation import (
     sequence_features,
 )
 from tooling.training.train_heads import draft_vocabulary
+from tooling.training.warm_start import initial_drafter
 
 
 @dataclass
@@ -51,6 +52,8 @@ class KangarooTrainOptions:
     prompts: tuple[list, list] | None = None
     data: Path | None = None  # shards of `specserve train data` instead of the prompts
     data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
+    data_from: int | None = None  # leave out the shards' first N training answer tokens
+    init_from: str | None = None  # a drafter directory (or "shipped") to train on from
 
 
 def _logits_and_teacher(adapter, model, readout, split, shallow, index):
@@ -99,16 +102,21 @@ def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
             )
     train = splits["train"]
     labels = train.answer_labels()
-    vocab = draft_vocabulary(labels, options.draft_vocab_size)
+    start = initial_drafter(options, "kangaroo", KangarooAdapter, model, run,
+                            {"exit_layer": options.exit_layer})  # fmt: skip
+    vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
     print(f"draft vocabulary: {len(vocab)} tokens, {torch.isin(labels, vocab).float().mean():.1%}"
           " of training labels")  # fmt: skip
     readout = dense_weight(model.lm_head)[vocab].float()
-    adapter = KangarooAdapter(
-        arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps,
-        options.exit_layer,
-    )  # fmt: skip
-    with torch.no_grad():  # start as a plain early exit through the target's final norm
-        adapter.output_norm.copy_(model.final_norm.float())
+    if start:
+        adapter = start.network
+    else:
+        adapter = KangarooAdapter(
+            arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            arch.rms_norm_eps, options.exit_layer,
+        )  # fmt: skip
+        with torch.no_grad():  # start as a plain early exit through the target's final norm
+            adapter.output_norm.copy_(model.final_norm.float())
     optimizer = torch.optim.AdamW(adapter.parameters(), lr=options.learning_rate)
 
     def loss_of(index: list[int]) -> torch.Tensor:
