@@ -219,8 +219,10 @@ class AsyncEngineClient:
         restart_window_s: float = 600.0,
         stall_timeout_s: float | None = None,
         max_stream_backlog: int = 1024,
+        on_gave_up: Callable[[str], None] | None = None,
     ):
         self.config = config
+        self.on_gave_up = on_gave_up  # called with last_error once restarting has stopped
         self.max_restarts = max_restarts
         self.restart_window_s = restart_window_s
         self.stall_timeout_s = stall_timeout_s
@@ -486,6 +488,8 @@ class AsyncEngineClient:
                         f"within {self.restart_window_s:g} s"
                     )
                     logger.error(self.last_error)
+                    if self.on_gave_up is not None:
+                        self.on_gave_up(self.last_error)
                     return
                 self._restart_times.append(time.monotonic())
                 try:

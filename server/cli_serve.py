@@ -94,6 +94,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_queued_requests=args.max_queued_requests,
         limits=limits,
         engine_stall_timeout_s=args.engine_stall_timeout or None,
+        max_engine_restarts=args.max_engine_restarts,
         request_timeout_s=args.request_timeout or None,
         cors=cors_from(args),
         shutdown_timeout_s=args.shutdown_timeout,
@@ -113,7 +114,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     # Streams end at our deadline with an error event, not at sse-starlette's first notice
     # (releases before the switch existed cut them at the signal).
     getattr(AppStatus, "disable_automatic_graceful_drain", lambda: None)()
-    Server(config, app.state.specserve.shutdown).run()
+    shutdown = app.state.specserve.shutdown
+    Server(config, shutdown).run()
+    if shutdown.fatal is not None:
+        print(f"error: {shutdown.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -140,6 +145,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=60.0,
         help="seconds an engine may report nothing while requests are in flight before it is "
         "killed and restarted, its streams ended with an error (0: never)",
+    )
+    p.add_argument(
+        "--max-engine-restarts",
+        type=_at_least_zero,
+        default=3,
+        help="engine restarts allowed within 10 minutes after crashes or stalls; past them the "
+        "server exits with status 1, as it does when the engine fails to start",
     )
     p.add_argument(
         "--shutdown-timeout",
@@ -190,4 +202,11 @@ def _at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value

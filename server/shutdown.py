@@ -1,7 +1,8 @@
 """A bounded shutdown: on SIGTERM or SIGINT the server stops accepting requests, lets what is
 running finish for up to ``--shutdown-timeout`` seconds, then ends the streams still open
 with an error event and ``[DONE]`` (and the other requests still running with a 503), stops
-the engine and exits with status 0.
+the engine and exits with status 0. When the engine cannot be (re)started, the server exits
+the same way with status 1 (``Shutdown.fail``).
 
 Uvicorn alone waits for open connections without a bound (a client that keeps a stream open
 keeps the server alive, its engine generating), and sse-starlette's own drain ends streams
@@ -35,6 +36,19 @@ class Shutdown:
         self.timeout_s = timeout_s
         self.stopping = False
         self.at_deadline = at_deadline
+        # Why the server must exit (the engine never started, or it gave up restarting it),
+        # and how: the running ``Server`` sets ``exit_server``; the process then exits 1.
+        self.fatal: str | None = None
+        self.exit_server = lambda: None
+
+    def fail(self, reason: str) -> None:
+        """The server cannot serve again: say why, and exit instead of answering 503 forever
+        (a supervisor, Kubernetes or Ray Serve, then restarts or replaces it)."""
+        if self.fatal is not None:
+            return
+        self.fatal = reason
+        log.error("%s; the server exits", reason)
+        self.exit_server()
 
     def begin(self) -> None:
         """Start the clock (on the event loop's thread)."""
@@ -58,6 +72,13 @@ class Server(uvicorn.Server):
         super().__init__(config)
         self.clock = shutdown  # (``shutdown`` is uvicorn's own method)
         self.loop: asyncio.AbstractEventLoop | None = None
+        shutdown.exit_server = self._exit_on_failure
+
+    def _exit_on_failure(self) -> None:
+        """(On the event loop's thread.) Stop as after a signal: requests still running get
+        the shutdown clock."""
+        self.should_exit = True
+        self.clock.begin()
 
     async def serve(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()

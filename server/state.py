@@ -55,6 +55,7 @@ class ServerState:
             settings.config,
             max_restarts=settings.max_engine_restarts,
             stall_timeout_s=settings.engine_stall_timeout_s,
+            on_gave_up=self.shutdown.fail,
         )
         self.metrics = ServerMetrics(settings.model_name, lambda: self.client.totals)
         self.tokenizer = None
@@ -72,14 +73,13 @@ class ServerState:
     async def start(self) -> None:
         """Start the engine in the background: /health answers 503 until it is ready."""
         self._starting = asyncio.create_task(self._start())
-        self._starting.add_done_callback(self._log_start_failure)
+        self._starting.add_done_callback(self._on_start_done)
         self._spec_log = asyncio.create_task(log_spec_decode(lambda: self.client.totals))
 
-    @staticmethod
-    def _log_start_failure(task: asyncio.Task) -> None:
+    def _on_start_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            # /health keeps answering 503; say why where the operator looks.
-            log.error("engine failed to start: %s", task.exception())
+            # Nothing retries a failed start (a bad config fails again): exit, saying why.
+            self.shutdown.fail(f"engine failed to start: {task.exception()}")
 
     async def _start(self) -> None:
         info = await self.client.start()
