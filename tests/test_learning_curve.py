@@ -29,3 +29,13 @@ def test_a_drafter_without_a_curve_is_named(tmp_path):
     bare = _drafter(tmp_path / "bare", "eagle", [])
     with pytest.raises(ValueError, match="bare: no learning curve"):
         plot([bare], tmp_path / "x.png", [])
+
+
+def test_a_drafter_trained_on_from_another_continues_its_curve():
+    from tooling.training.learning_curve import curve_points
+
+    curve = [[50_000, [0.5]], [100_000, [0.52]]]
+    started = {"drafter": "shipped", "training_answer_tokens": 5_000_000}
+    tokens, points = curve_points({"learning_curve": curve, "started_from": started}, "x")
+    assert tokens == [5_050_000, 5_100_000] and points == curve
+    assert curve_points({"learning_curve": curve}, "x")[0] == [50_000, 100_000]

@@ -6,7 +6,8 @@ depth against the answer tokens trained on), as a PNG:
         [--mark "LABEL:TOKENS:ACCURACY" ...]   # other drafters on the same held-out set
 
 Several drafters (an ``eagle`` and an ``eagle3`` trained on the same data, say) share the
-axes: a colour per depth, a line style per drafter.
+axes: a colour per depth, a line style per drafter. A drafter trained on from another
+(``--init-from``) is drawn from where that one's data ended.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+
+def curve_points(training: dict, name) -> tuple[list[int], list]:
+    """(answer tokens at each point, the points) of a drafter's record ``training``: a drafter
+    trained on from another (``--init-from``) counts what that one had learnt from too."""
+    curve = training.get("learning_curve") or []
+    if not curve:
+        raise ValueError(f"{name}: no learning curve in its config")
+    offset = (training.get("started_from") or {}).get("training_answer_tokens") or 0
+    return [offset + point[0] for point in curve], curve
 
 
 def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") -> None:
@@ -26,10 +37,7 @@ def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for style, drafter in zip(("-", "--", ":", "-."), drafters, strict=False):
         config = json.loads((drafter / "config.json").read_text())
-        curve = config["training"].get("learning_curve") or []
-        if not curve:
-            raise ValueError(f"{drafter}: no learning curve in its config")
-        tokens = [point[0] for point in curve]
+        tokens, curve = curve_points(config["training"], drafter)
         for depth in range(len(curve[0][1])):
             ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
                     linestyle=style, color=f"C{depth}",
@@ -40,9 +48,9 @@ def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") 
         ax.annotate(label, (float(trained), 100 * float(accuracy)), textcoords="offset points",
                     xytext=(-6, -4 - 11 * marks.index(mark)), fontsize=8, ha="right")  # fmt: skip
     ax.set_xscale("log")
-    ax.set_xlabel("answer tokens trained on (one pass)")
+    ax.set_xlabel("answer tokens trained on (each seen once)")
     ax.set_ylabel("held-out top-1 accuracy (%)")
-    ax.set_title(f"EAGLE drafters: held-out accuracy against training data ({title})")
+    ax.set_title(f"EAGLE drafters: held-out accuracy against training data\n{title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
