@@ -6,8 +6,8 @@ depth against the answer tokens trained on), as a PNG:
         [--mark "LABEL:TOKENS:ACCURACY" ...]   # other drafters on the same held-out set
 
 Several drafters (an ``eagle`` and an ``eagle3`` trained on the same data, say) share the
-axes: a colour per depth, a line style per drafter. A drafter trained on from another
-(``--init-from``) is drawn from where that one's data ended.
+axes: a colour per depth, a line style per drafter (named by its directory). A drafter
+trained on from another (``--init-from``) is drawn from where that one's data ended.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") 
         for depth in range(len(curve[0][1])):
             ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
                     linestyle=style, color=f"C{depth}",
-                    label=f"{config['type']}, depth {depth + 1}")  # fmt: skip
+                    label=f"{drafter.name}, depth {depth + 1}")  # fmt: skip
     for mark in marks:  # e.g. the shipped drafter scored by `specserve train evaluate`
         label, trained, accuracy = mark.rsplit(":", 2)
         ax.scatter([float(trained)], [100 * float(accuracy)], marker="x", color="black")
