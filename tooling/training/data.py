@@ -24,10 +24,11 @@ def training_splits(llm, options, root: Path | None = None) -> dict[str, Feature
     # A conversations file is answered now and kept in the cache (``root``: already done).
     root = root or shard_root(llm, options)
     if root is not None:
-        train = load_split(root / "train", options.data_tokens, options.data_from or 0)
+        skip = getattr(options, "data_from", None) or 0  # (callers' options may predate it)
+        train = load_split(root / "train", options.data_tokens, skip)
         if not train.sequences:
             raise ValueError(
-                f"{root / 'train'}: no conversations after the first {options.data_from:,} "
+                f"{root / 'train'}: no conversations after the first {skip:,} "
                 "answer tokens (--data-from)"
             )
         return {
