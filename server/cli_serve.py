@@ -96,6 +96,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         engine_stall_timeout_s=args.engine_stall_timeout or None,
         max_engine_restarts=args.max_engine_restarts,
         request_timeout_s=args.request_timeout or None,
+        stream_interval=args.stream_interval,
         cors=cors_from(args),
         shutdown_timeout_s=args.shutdown_timeout,
     )
@@ -166,6 +167,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         default=0.0,
         help="seconds after which a request still generating is aborted with a 408 (an error "
         "event when streaming; 0: no limit)",
+    )
+    p.add_argument(
+        "--stream-interval",
+        type=_at_least_one,
+        default=1,
+        help="tokens a streamed choice gathers before a chunk is sent (its first token is "
+        "sent at once): fewer chunks cost less CPU per token, most behind --replicas",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

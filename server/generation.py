@@ -19,6 +19,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.sampling_params import SampledToken, SamplingParams
 from server.metrics import ServerMetrics
 from server.shutdown import ShutdownDeadline
+from server.stream_interval import StreamInterval
 
 
 @dataclass
@@ -64,6 +65,7 @@ class RequestRun:
     speculative: object = None  # SpeculativeOptions: the request's decoder, if it chose one
     timeout_s: float | None = None  # the server's per-request time limit, from arrival
     arrival: float = field(default_factory=time.time)
+    stream_interval: int = 1  # tokens a choice gathers before an event is sent (first: at once)
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
     # Completion tokens so far per choice (the text sent covers them), for usage mid-stream.
@@ -160,6 +162,7 @@ class RequestRun:
         open_choices = set(range(n))
         clock = _TokenClock(self.metrics, self.arrival, len(prompt))
         engine_id = f"{self.request_id}-{prompt_index}"
+        interval = StreamInterval(self.stream_interval)
         stream = self.client.generate(engine_id, prompt, self.params, self.speculative)
         # aclosing: leaving the loop early (all choices stopped, a disconnect) aborts at once.
         async with contextlib.aclosing(stream):
@@ -182,9 +185,19 @@ class RequestRun:
                         if c.finish_reason is None and open_choices:
                             # A stop string ended this one choice: free its sequence now.
                             await self.client.abort(engine_id, choice_index=c.index)
-                    yield event
+                    for sent in interval.push(event):
+                        yield self._sent(sent)
                 if not open_choices:
                     break
+            for sent in interval.flush():
+                yield self._sent(sent)
+
+    def _sent(self, event: ChoiceEvent) -> ChoiceEvent:
+        # Usage mid-stream counts the tokens whose text has been sent, not those held back.
+        self.token_counts[event.index] = self.token_counts.get(event.index, 0) + len(
+            event.token_ids
+        )
+        return event
 
     async def _next_delta(self, stream):
         """The stream's next delta, within the request's wall-clock deadline (from arrival):
@@ -214,7 +227,6 @@ class RequestRun:
         elif c.finish_reason is not None:
             text += detok.finish(drop_last_token=c.finish_reason == "stop")
             finish = c.finish_reason  # "stop" or "length"
-        self.token_counts[index] = detok.token_count
         logprobs, sources = c.new_logprobs, c.new_sources
         covered = detok.token_count - counted  # the tokens the text covers (none past a stop)
         if logprobs is not None:

@@ -255,6 +255,7 @@ def _prepared(state, body, prompts, params, chat: bool, prefix: str) -> Prepared
         on_done=reservation.release,
         speculative=speculative,
         timeout_s=state.settings.request_timeout_s,
+        stream_interval=state.settings.stream_interval,
     )
     # A response that never starts (the client left first) must still give its room back.
     weakref.finalize(run, reservation.release)

@@ -37,6 +37,8 @@ class ServerSettings:
     # A request still generating this long after it arrived is aborted with a 408 (an error
     # event when streaming); None: no limit.
     request_timeout_s: float | None = None
+    # Tokens a streamed choice gathers before a chunk is sent (server/stream_interval.py).
+    stream_interval: int = 1
     limits: RequestLimits = field(default_factory=RequestLimits)
     cors: CorsSettings = field(default_factory=CorsSettings)
     # After SIGTERM/SIGINT: how long running requests may go on before they are ended.

@@ -49,8 +49,10 @@ def test_a_conversation_shares_its_history_s_prefix_hashes():
 
 def test_replicas_get_the_serve_flags_but_not_the_cluster_s():
     argv = ["--replicas", "2", "--decoder", "ngram", "--port=9000", "--host", "0.0.0.0",
-            "--ray-address", "auto", "--max-tokens-limit", "5"]  # fmt: skip
-    assert replica_arguments(argv) == ["--decoder", "ngram", "--max-tokens-limit", "5"]
+            "--ray-address", "auto", "--max-tokens-limit", "5",
+            "--stream-interval", "4"]  # fmt: skip
+    assert replica_arguments(argv) == ["--decoder", "ngram", "--max-tokens-limit", "5",
+                                       "--stream-interval", "4"]  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,8 @@ def _cmd_bench_ray(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.streams < 1:
         raise ValueError("--replicas and --streams must be at least 1")
     kill = None if args.kill == "none" else args.kill
-    run_ray_bench(args.model, args.config, args.replicas, args.streams, args.max_tokens, kill)
+    run_ray_bench(args.model, args.config, args.replicas, args.streams, args.max_tokens, kill,
+                  args.stream_interval)  # fmt: skip
     return 0
 
 
@@ -261,4 +262,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--kill", choices=("server", "actor", "none"), default="server",
                      help="what of one replica to kill under load: its specserve server, "
                      "its Ray actor, or nothing")  # fmt: skip
+    ray.add_argument("--stream-interval", type=int, default=1,
+                     help="every server's --stream-interval (tokens a chunk gathers)")  # fmt: skip
     ray.set_defaults(func=_cmd_bench_ray)

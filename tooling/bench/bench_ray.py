@@ -171,13 +171,15 @@ async def _split_load(name: str, urls: list[str], model: str, streams: int, max_
 
 
 def run_ray_bench(model: str | None, config: str | None, replicas: int, streams: int,
-                  max_tokens: int, kill: str | None) -> dict:  # fmt: skip
-    """Prints the comparison (and the kill's outcome); returns its numbers."""
+                  max_tokens: int, kill: str | None, stream_interval: int = 1) -> dict:  # fmt: skip
+    """Prints the comparison (and the kill's outcome); returns its numbers. Every server
+    runs with ``--stream-interval stream_interval``."""
     cores = len(os.sched_getaffinity(0))
     cpus = max(cores / replicas, 0.5)
     threads = str(max(1, int(cpus)))  # what each replica's engine runs (ClusterPlan)
     log_dir = tempfile.mkdtemp(prefix="specserve-bench-ray-")
-    print(f"{streams} streams of {max_tokens} tokens; {cores} cores; logs in {log_dir}")
+    print(f"{streams} streams of {max_tokens} tokens; {cores} cores; stream interval "
+          f"{stream_interval}; logs in {log_dir}")
     print("| server | output tokens | wall s | tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|")
     # Usage in every stream: the servers' own token counts, no tokenizer needed.
@@ -198,7 +200,8 @@ def run_ray_bench(model: str | None, config: str | None, replicas: int, streams:
                 port = free_port()
                 urls.append(f"http://127.0.0.1:{port}")
                 log = f"{log_dir}/{index}-{number}.log"
-                command = _serve_command(model, config, port, extra)
+                interval = ["--stream-interval", str(stream_interval)]
+                command = _serve_command(model, config, port, extra + interval)
                 procs.append(start_server(command, urls[-1], log, timeout=900))
             on_ray = "--replicas" in servers[0]
             if on_ray:
