@@ -1,12 +1,14 @@
 """Replicas on Ray Serve against one ``specserve serve``, and a replica killed under load.
 
     specserve bench ray [--replicas 2] [--streams 40] [--max-tokens 64] [--kill server|actor]
+                        [--stream-interval N]
 
 In one run, the same ``streams`` concurrent streaming chats against (1) one ``specserve
 serve``; (2) N of them without Ray, each on cores / N threads, the streams shared out evenly:
 what splitting the machine costs; (3) ``--replicas N`` on a local Ray cluster (each replica
 holding cores / N CPUs): what Ray's proxy, the ingress and routing cost on top. Output tokens/s
-of each, the ratios, and each cost in milliseconds a token of a stream. Then (4) while the
+of each, the ratios, each cost in milliseconds a token of a stream, and each load's CPU by
+process role (engines, servers, Ray's proxy, the ingress, ...) per output token. Then (4) while the
 cluster streams ``streams`` long answers, one replica is killed
 (its server, or its Ray actor): every stream must complete or end with an error event and
 ``[DONE]``; printed are the counts, how long until a new request is answered, and until the
@@ -37,6 +39,7 @@ from tooling.bench.bench_serve import (
     start_server,
     stop_server,
 )
+from tooling.bench.process_cpu import ROLES, cpu_by_role, spent
 
 
 def replica_processes(replica_id: str) -> tuple[int, int]:
@@ -170,6 +173,16 @@ async def _split_load(name: str, urls: list[str], model: str, streams: int, max_
                       [r for load in loads for r in load.results])  # fmt: skip
 
 
+def _print_cpu(used: dict[str, tuple[dict[str, float], int]]) -> None:
+    """Each load's CPU by process role, in milliseconds per output token."""
+    print("\nCPU ms per output token, by process (from /proc):")
+    print("| server | " + " | ".join(ROLES) + " | all |")
+    print("|---|" + "---|" * (len(ROLES) + 1))
+    for name, (seconds, tokens) in used.items():
+        cells = [seconds[role] * 1e3 / max(tokens, 1) for role in ROLES]
+        print(f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + f" | {sum(cells):.2f} |")
+
+
 def run_ray_bench(model: str | None, config: str | None, replicas: int, streams: int,
                   max_tokens: int, kill: str | None, stream_interval: int = 1) -> dict:  # fmt: skip
     """Prints the comparison (and the kill's outcome); returns its numbers. Every server
@@ -185,6 +198,7 @@ def run_ray_bench(model: str | None, config: str | None, replicas: int, streams:
     # Usage in every stream: the servers' own token counts, no tokenizer needed.
     body = {"ignore_eos": True, "stream_options": {"include_usage": True}}
     rows: dict[str, float] = {}
+    used: dict[str, tuple[dict[str, float], int]] = {}  # CPU s by role, output tokens
     result: dict = {}
     plans = (
         ("one specserve serve", [[]]),
@@ -207,7 +221,9 @@ def run_ray_bench(model: str | None, config: str | None, replicas: int, streams:
             if on_ray:
                 wait_for_replicas(urls[0], replicas, 900)
             served = httpx.get(f"{urls[0]}/v1/models", timeout=30).json()["data"][0]["id"]
+            before = cpu_by_role()
             load = asyncio.run(_split_load(name, urls, served, streams, max_tokens, body))
+            used[name] = (spent(before, cpu_by_role()), load.output_tokens(None))
             rows[name] = report(load, None)["tokens_per_s"]
             if on_ray and kill:
                 result["kill"] = asyncio.run(_kill_under_load(
@@ -222,6 +238,7 @@ def run_ray_bench(model: str | None, config: str | None, replicas: int, streams:
         return (1 / slow - 1 / fast) * 1e3 * streams
 
     result |= {"single": single, "split": split, "cluster": cluster}
+    _print_cpu(used)
     print(f"\n{replicas} replicas on Ray / one server: {cluster / single:.2f}x output tokens/s; "
           f"of which splitting the cores: {split / single:.2f}x "
           f"({per_token_ms(split, single):+.1f} ms a token of a stream), Ray's proxy, ingress "

@@ -1,0 +1,76 @@
+"""Where a load's CPU went, by role: which processes of a Ray Serve deployment (or of plain
+``specserve serve``) spent the machine's cores. Read from ``/proc`` (Linux), so the bench can
+say what Ray's proxy and the ingress cost per token instead of inferring it from wall time."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("engines", "servers", "Ray proxy", "ingress", "replica actors", "Ray's other processes")
+
+
+@dataclass(frozen=True)
+class _Process:
+    name: str  # /proc/PID/stat's comm: Ray names its actors' processes "ray::<actor>"
+    command: str
+    parent: int
+    cpu_s: float  # user + system
+
+
+def _processes() -> dict[int, _Process]:
+    ticks = os.sysconf("SC_CLK_TCK")
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        # fields[1] is the parent (stat's 4th field); [11], [12]: user and system ticks.
+        found[int(entry.name)] = _Process(
+            name, command, int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks
+        )
+    return found
+
+
+def role_of(pid: int, processes: dict[int, _Process]) -> str | None:
+    """The role of a process in a specserve deployment, or None for anything else."""
+    p = processes[pid]
+    if p.name.startswith("ray::ProxyActor"):
+        return "Ray proxy"
+    if p.name.startswith("ray::ServeReplica") or p.name.startswith("ray::ServeRepli"):
+        return "ingress" if "specserve-ingress" in p.command else "replica actors"
+    serving = (".cli serve", "specserve serve", "server.ray_serve.tethered")  # our entry points
+    if any(s in p.command for s in serving):
+        # `serve --replicas` itself only drives the cluster.
+        return "Ray's other processes" if "--replicas" in p.command else "servers"
+    if "spawn_main" in p.command and p.parent in processes:
+        if role_of(p.parent, processes) == "servers":
+            return "engines"  # the engine process a server spawned
+    if p.name.startswith("ray::") or "/ray/" in p.command or p.name in ("raylet", "gcs_server"):
+        return "Ray's other processes"
+    return None
+
+
+def cpu_by_role() -> dict[str, float]:
+    """CPU seconds so far of every live process with a role, summed by role."""
+    processes = _processes()
+    totals: dict[str, float] = defaultdict(float)
+    for pid, process in processes.items():
+        role = role_of(pid, processes)
+        if role is not None:
+            totals[role] += process.cpu_s
+    return dict(totals)
+
+
+def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each role spent between two readings (processes that ended meanwhile are
+    missing from ``after``: their share is lost, never negative)."""
+    return {role: max(after.get(role, 0.0) - before.get(role, 0.0), 0.0) for role in ROLES}
