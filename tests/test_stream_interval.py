@@ -66,18 +66,11 @@ def test_an_interval_of_one_sends_every_event_and_below_one_is_refused():
 
 @pytest.fixture(scope="module")
 def gathering_server(tiny_chat_model_dir, tmp_path_factory):
-    from tests.server_process import ServerProcess
+    from tests.server_process import serving_tiny
 
-    proc = ServerProcess(
-        "--model", str(tiny_chat_model_dir), "--served-model-name", "tiny",
-        "--stream-interval", "4",
-        log_path=tmp_path_factory.mktemp("server") / "server.log",
-    )  # fmt: skip
-    try:
-        proc.wait_ready()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with serving_tiny(tiny_chat_model_dir, log, "--stream-interval", "4") as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 BODY = {"model": "tiny", "prompt": "Once upon", "max_tokens": 11, "n": 2, "temperature": 0,
