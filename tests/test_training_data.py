@@ -287,3 +287,39 @@ def test_a_resumed_builds_rate_counts_only_its_own_tokens():
     assert bar.n == 1_000_010
     # 10 tokens in >= 0.05 s is <= 200 tok/s; counting the earlier million would read far more
     assert bar.format_dict["rate"] < 1000
+
+
+def test_kangaroo_reads_its_exit_layer_from_the_kept_layers(chat_llm, tmp_path, monkeypatch):
+    # Kangaroo's shallow features are one of the layers `--keep-layers` kept: read, not
+    # computed (the pass over a 10M-token set would hold its rows in memory).
+    from tooling.training import train_kangaroo
+    from tooling.training.self_distillation import sequence_features
+    from tooling.training.shards import kept_layers_with, layer_directory
+    from tooling.training.train_kangaroo import shallow_features
+
+    layers = (1, 0)
+    build(chat_llm, tmp_path, _recipe(), budget=1, keep_layers=layers)
+    train = tmp_path / "train"
+    assert kept_layers_with(train, 0) == layers and kept_layers_with(train, 1) == layers
+    assert kept_layers_with(train, 5) is None
+    split = load_split(train)
+    model = chat_llm.engine.model
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the kept layer was computed again")
+
+    monkeypatch.setattr(train_kangaroo, "sequence_features", no_pass)
+    rows = shallow_features(model, split, train, 0, "train")
+    assert len(rows) == len(split.sequences)
+    for tokens, row in zip(split.sequences, rows, strict=True):
+        (expected,) = sequence_features(model, [tokens], layer=0)
+        assert row.dtype == torch.float16 and row.shape == expected.shape
+        torch.testing.assert_close(row[:-1].float(), expected[:-1], atol=2e-3, rtol=2e-3)
+
+    # A shard without its kept file: the set no longer holds the layer for every shard.
+    next(layer_directory(train, layers).iterdir()).unlink()
+    assert kept_layers_with(train, 0) is None
+    monkeypatch.setattr(train_kangaroo, "sequence_features", sequence_features)
+    computed = shallow_features(model, split, train, 0, "train")
+    assert computed[0].dtype == torch.float16
+    torch.testing.assert_close(computed[0][:-1], rows[0][:-1], atol=2e-3, rtol=2e-3)

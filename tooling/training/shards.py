@@ -195,6 +195,20 @@ def layer_directory(split: Path, layers: tuple[int, ...]) -> Path:
     return Path(split) / ("layers-" + "-".join(str(i) for i in layers))
 
 
+def kept_layers_with(split: Path, layer: int) -> tuple[int, ...] | None:
+    """A set of kept layers beside the split's shards that holds ``layer``'s outputs for
+    every shard (None if no set does), so a drafter that reads that layer needs no pass."""
+    shards = [p.name for p in shard_paths(Path(split))]
+    for kept in sorted(Path(split).glob("layers-*")):
+        try:
+            layers = tuple(int(i) for i in kept.name.removeprefix("layers-").split("-"))
+        except ValueError:
+            continue  # not a directory this module made
+        if layer in layers and shards and all((kept / name).is_file() for name in shards):
+            return layers
+    return None
+
+
 def save_layer_rows(split: Path, layers: tuple[int, ...], shard: str, rows: list[torch.Tensor]):
     kept = layer_directory(split, layers)
     kept.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,9 @@
 
 1. Data: the answers and final features the other drafters use (``answers.pt``,
    ``features.pt``), and the hidden states after the target's layer ``exit_layer - 1`` at every
-   position (the shallow sub-network is a small part of the model, so this pass is quick).
+   position, float16: read from the layers kept beside the shards of ``specserve train data
+   --keep-layers`` where they hold that layer (EAGLE-3's low layer is Kangaroo's default
+   exit), else computed (the shallow sub-network is a small part of the model).
 2. Draft vocabulary: the answer tokens the target writes most.
 3. Training, Kangaroo's: the adapter reads the shallow hidden states and its readout is pulled
    to the target's distribution over the draft vocabulary (soft cross-entropy) at every answer
@@ -19,14 +21,16 @@ from pathlib import Path
 import torch
 
 from engine.toolkit import KangarooAdapter, TrainedDrafter
-from tooling.training.data import training_splits
+from tooling.training.data import shard_root, training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
+from tooling.training.layer_cache import cached_layer_features
 from tooling.training.self_distillation import (
     answer_mask,
     padded,
     progress_bar,
     sequence_features,
 )
+from tooling.training.shards import kept_layers_with
 from tooling.training.train_heads import draft_vocabulary
 from tooling.training.warm_start import initial_drafter
 
@@ -84,6 +88,23 @@ def _held_out_accuracy(adapter, model, readout, vocab, split, shallow, top_k) ->
     return (hits / max(seen, 1)).tolist()
 
 
+def shallow_features(model, split, shards: Path | None, layer: int, what: str):
+    """Per conversation of ``split``, [len, d] float16: the outputs of the target's ``layer``,
+    from the kept layers beside ``shards`` where a set holds it (no pass, and mapped from the
+    files rather than held: the whole 10M-token set would be about 12 GB in float16), else
+    computed now."""
+    kept = None if shards is None else kept_layers_with(shards, layer)
+    with progress_bar(len(split.sequences), f"{what}: layer {layer + 1}") as bar:
+        if kept is None:
+            rows = sequence_features(model, split.sequences, progress=bar.update, layer=layer)
+            return [r.to(torch.float16) for r in rows]
+        rows = cached_layer_features(model, shards, kept, len(split.sequences), bar.update,
+                                     split.first)  # fmt: skip
+    d = model.arch.hidden_size
+    column = kept.index(layer) * d
+    return [r[:, column : column + d] for r in rows]
+
+
 def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
     from engine.toolkit import dense_weight
 
@@ -93,13 +114,13 @@ def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
     arch = model.arch
     if not 1 <= options.exit_layer < arch.num_layers:
         raise ValueError(f"--exit-layer must be in [1, {arch.num_layers - 1}]")
-    splits = training_splits(llm, options)
-    shallow = {}
-    for name, split in splits.items():
-        with progress_bar(len(split.sequences), f"{name}: layer {options.exit_layer}") as bar:
-            shallow[name] = sequence_features(
-                model, split.sequences, progress=bar.update, layer=options.exit_layer - 1
-            )
+    root = shard_root(llm, options)
+    splits = training_splits(llm, options, root)
+    shallow = {
+        name: shallow_features(model, split, None if root is None else root / name,
+                               options.exit_layer - 1, name)  # fmt: skip
+        for name, split in splits.items()
+    }
     train = splits["train"]
     labels = train.answer_labels()
     start = initial_drafter(options, "kangaroo", KangarooAdapter, model, run,
