@@ -170,7 +170,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--stream-interval",
-        type=_at_least_one,
+        type=at_least_one,
         default=1,
         help="tokens a streamed choice gathers before a chunk is sent (its first token is "
         "sent at once): fewer chunks cost less CPU per token, most behind --replicas",
@@ -199,14 +199,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     for f in fields(RequestLimits):
         limits.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=_at_least_one,
+            type=at_least_one,
             default=f.default,
             help=f"most {DESCRIPTIONS[f.name]} (default {f.default})",
         )
     p.set_defaults(func=_cmd_serve)
 
 
-def _at_least_one(text: str) -> int:
+def at_least_one(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")

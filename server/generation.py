@@ -68,8 +68,11 @@ class RequestRun:
     stream_interval: int = 1  # tokens a choice gathers before an event is sent (first: at once)
     usage: Usage = field(default_factory=Usage)
     finish_reasons: dict[int, str] = field(default_factory=dict)
-    # Completion tokens so far per choice (the text sent covers them), for usage mid-stream.
+    # Completion tokens per choice whose text has reached the consumer, for usage mid-stream.
     token_counts: dict[int, int] = field(default_factory=dict)
+    # Completion tokens per choice the engine generated (some may be held back by the stream
+    # interval), for the metrics of a choice that ends unfinished.
+    generated: dict[int, int] = field(default_factory=dict)
     # Per prompt, when asked for: [None, PromptLogprob, ...] (engine.prompt_logprobs).
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
 
@@ -93,11 +96,11 @@ class RequestRun:
             if len(self.prompts) == 1:
                 async with contextlib.aclosing(self._prompt_events(0)) as events:
                     async for event in events:
-                        yield event
+                        yield self._sent(event)
             else:
                 async with contextlib.aclosing(self._merged_events()) as events:
                     async for event in events:
-                        yield event
+                        yield self._sent(event)
             ending = None
         except BaseException as e:
             ending = ending_of(e)
@@ -116,7 +119,7 @@ class RequestRun:
         for index in range(len(self.prompts) * self.params.n):
             if index not in self.finish_reasons:
                 self.finish_reasons[index] = ending
-                tokens = self.token_counts.get(index, 0)
+                tokens = self.generated.get(index, 0)
                 self.metrics.on_finished(ending, time.time() - self.arrival, tokens)
 
     async def _merged_events(self) -> AsyncIterator[ChoiceEvent]:
@@ -159,41 +162,56 @@ class RequestRun:
             )
             for _ in range(n)
         ]
-        open_choices = set(range(n))
-        clock = _TokenClock(self.metrics, self.arrival, len(prompt))
         engine_id = f"{self.request_id}-{prompt_index}"
         interval = StreamInterval(self.stream_interval)
         stream = self.client.generate(engine_id, prompt, self.params, self.speculative)
+        events = self._choice_events(stream, prompt_index, detoks, interval)
         # aclosing: leaving the loop early (all choices stopped, a disconnect) aborts at once.
-        async with contextlib.aclosing(stream):
-            while True:
-                try:
-                    delta = await self._next_delta(stream)
-                except StopAsyncIteration:
-                    break
-                if delta.prompt_logprobs is not None:
-                    self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
-                if clock.on_delta(delta):
-                    self.usage.cached_tokens += delta.num_cached_prompt_tokens
-                for c in delta.choices:
-                    if c.index not in open_choices:
-                        continue  # ended here by a stop string; the engine may lag behind
-                    event = self._choice_event(prompt_index * n + c.index, detoks[c.index], c)
-                    if event.finish_reason is not None:
-                        open_choices.discard(c.index)
-                        self._finish(event.index, event.finish_reason, detoks[c.index])
-                        if c.finish_reason is None and open_choices:
-                            # A stop string ended this one choice: free its sequence now.
-                            await self.client.abort(engine_id, choice_index=c.index)
-                    for sent in interval.push(event):
-                        yield self._sent(sent)
-                if not open_choices:
-                    break
-            for sent in interval.flush():
-                yield self._sent(sent)
+        async with contextlib.aclosing(stream), contextlib.aclosing(events):
+            try:
+                async for event in events:
+                    yield event
+            except Exception:
+                # A stream that fails (deadline, engine failure, backlog) still sends the text
+                # the interval holds, as an interval of one would have, before its error.
+                for sent in interval.flush():
+                    yield sent
+                raise
+        for sent in interval.flush():
+            yield sent
+
+    async def _choice_events(self, stream, prompt_index: int, detoks, interval):
+        """The engine stream's deltas as choice events, through the stream interval."""
+        n = self.params.n
+        open_choices = set(range(n))
+        engine_id = f"{self.request_id}-{prompt_index}"
+        clock = _TokenClock(self.metrics, self.arrival, len(self.prompts[prompt_index]))
+        while True:
+            try:
+                delta = await self._next_delta(stream)
+            except StopAsyncIteration:
+                break
+            if delta.prompt_logprobs is not None:
+                self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
+            if clock.on_delta(delta):
+                self.usage.cached_tokens += delta.num_cached_prompt_tokens
+            for c in delta.choices:
+                if c.index not in open_choices:
+                    continue  # ended here by a stop string; the engine may lag behind
+                event = self._choice_event(prompt_index * n + c.index, detoks[c.index], c)
+                if event.finish_reason is not None:
+                    open_choices.discard(c.index)
+                    self._finish(event.index, event.finish_reason, detoks[c.index])
+                    if c.finish_reason is None and open_choices:
+                        # A stop string ended this one choice: free its sequence now.
+                        await self.client.abort(engine_id, choice_index=c.index)
+                for sent in interval.push(event):
+                    yield sent
+            if not open_choices:
+                break
 
     def _sent(self, event: ChoiceEvent) -> ChoiceEvent:
-        # Usage mid-stream counts the tokens whose text has been sent, not those held back.
+        # Usage mid-stream counts the tokens whose text reached the consumer, not those held.
         self.token_counts[event.index] = self.token_counts.get(event.index, 0) + len(
             event.token_ids
         )
@@ -228,6 +246,7 @@ class RequestRun:
             text += detok.finish(drop_last_token=c.finish_reason == "stop")
             finish = c.finish_reason  # "stop" or "length"
         logprobs, sources = c.new_logprobs, c.new_sources
+        self.generated[index] = detok.token_count
         covered = detok.token_count - counted  # the tokens the text covers (none past a stop)
         if logprobs is not None:
             logprobs = logprobs[:covered]

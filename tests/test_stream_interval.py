@@ -73,8 +73,9 @@ def gathering_server(tiny_chat_model_dir, tmp_path_factory):
         yield proc
 
 
-BODY = {"model": "tiny", "prompt": "Once upon", "max_tokens": 11, "n": 2, "temperature": 0,
-        "logprobs": 1, "ignore_eos": True}  # fmt: skip
+# Two prompts, two choices each: four choices gathering apart, merged into one stream.
+BODY = {"model": "tiny", "prompt": ["Once upon", "The cat"], "max_tokens": 11, "n": 2,
+        "temperature": 0, "logprobs": 1, "ignore_eos": True}  # fmt: skip
 
 
 def test_served_stream_sends_one_token_then_chunks_of_the_interval(gathering_server):
@@ -85,8 +86,8 @@ def test_served_stream_sends_one_token_then_chunks_of_the_interval(gathering_ser
         lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(line) for line in lines[:-1]]
-    sizes: dict[int, list[int]] = {0: [], 1: []}
-    texts = {0: "", 1: ""}
+    sizes: dict[int, list[int]] = {i: [] for i in range(4)}
+    texts = dict.fromkeys(range(4), "")
     sent = 0
     for chunk in chunks:
         for choice in chunk["choices"]:
@@ -96,7 +97,37 @@ def test_served_stream_sends_one_token_then_chunks_of_the_interval(gathering_ser
         if chunk["choices"]:
             # Usage so far counts the tokens sent, not those the server holds back.
             assert chunk["usage"]["completion_tokens"] == sent
-    assert sizes == {0: [1, 4, 4, 2], 1: [1, 4, 4, 2]}
+    assert sizes == dict.fromkeys(range(4), [1, 4, 4, 2])
 
     whole = httpx.post(gathering_server.url + "/v1/completions", json=BODY, timeout=60).json()
-    assert [c["text"] for c in whole["choices"]] == [texts[0], texts[1]]
+    assert [c["text"] for c in whole["choices"]] == [texts[i] for i in range(4)]
+
+
+def test_a_first_event_without_text_does_not_use_up_the_first_send():
+    interval = StreamInterval(4)
+    held_back = ChoiceEvent(0, "", [7], None)  # half a character: no text yet
+    assert interval.push(held_back) == [held_back]
+    (sent,) = interval.push(ChoiceEvent(0, "é", [8], None))  # the first text goes at once
+    assert sent.text == "é"
+    assert interval.push(ChoiceEvent(0, "x", [9], None)) == []
+
+
+def test_text_held_when_the_request_times_out_is_sent_before_the_error(tiny_chat_model_dir,
+                                                                       tmp_path):  # fmt: skip
+    from tests.server_process import serving_tiny
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 960,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}  # fmt: skip
+    args = ("--stream-interval", "100000", "--request-timeout", "0.5")
+    with serving_tiny(tiny_chat_model_dir, tmp_path / "server.log", *args) as server:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body,
+                          timeout=60) as r:  # fmt: skip
+            lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    assert json.loads(lines[-2])["error"]["code"] == "timeout"
+    chunks = [json.loads(line) for line in lines[:-2]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    sent = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    # The first token, then everything generated until the deadline, held and then flushed.
+    assert sent[-1] > 1 and text

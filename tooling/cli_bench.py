@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from server.cli_generate import add_model_arguments, engine_config_from_args
+from server.cli_serve import at_least_one
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
@@ -262,6 +263,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--kill", choices=("server", "actor", "none"), default="server",
                      help="what of one replica to kill under load: its specserve server, "
                      "its Ray actor, or nothing")  # fmt: skip
-    ray.add_argument("--stream-interval", type=int, default=1,
+    ray.add_argument("--stream-interval", type=at_least_one, default=1,
                      help="every server's --stream-interval (tokens a chunk gathers)")  # fmt: skip
     ray.set_defaults(func=_cmd_bench_ray)

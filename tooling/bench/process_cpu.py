@@ -5,7 +5,6 @@ say what Ray's proxy and the ingress cost per token instead of inferring it from
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +17,7 @@ class _Process:
     command: str
     parent: int
     cpu_s: float  # user + system
+    started: int = 0  # clock ticks after boot: with the pid, names one process for good
 
 
 def _processes() -> dict[int, _Process]:
@@ -33,9 +33,11 @@ def _processes() -> dict[int, _Process]:
             continue
         name = stat[stat.index("(") + 1 : stat.rindex(")")]
         fields = stat[stat.rindex(")") + 2 :].split()
-        # fields[1] is the parent (stat's 4th field); [11], [12]: user and system ticks.
+        # fields[1] is the parent (stat's 4th field); [11], [12]: user and system ticks;
+        # [19]: the start time (the 22nd).
         found[int(entry.name)] = _Process(
-            name, command, int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks
+            name, command, int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks,
+            int(fields[19]),
         )
     return found
 
@@ -59,18 +61,25 @@ def role_of(pid: int, processes: dict[int, _Process]) -> str | None:
     return None
 
 
-def cpu_by_role() -> dict[str, float]:
-    """CPU seconds so far of every live process with a role, summed by role."""
+Reading = dict[tuple[int, int], tuple[str, float]]  # (pid, start) -> (role, CPU seconds)
+
+
+def cpu_by_role() -> Reading:
+    """CPU seconds so far of every live process with a role."""
     processes = _processes()
-    totals: dict[str, float] = defaultdict(float)
+    reading = {}
     for pid, process in processes.items():
         role = role_of(pid, processes)
         if role is not None:
-            totals[role] += process.cpu_s
-    return dict(totals)
+            reading[pid, process.started] = (role, process.cpu_s)
+    return reading
 
 
-def spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """CPU seconds each role spent between two readings (processes that ended meanwhile are
-    missing from ``after``: their share is lost, never negative)."""
-    return {role: max(after.get(role, 0.0) - before.get(role, 0.0), 0.0) for role in ROLES}
+def spent(before: Reading, after: Reading) -> dict[str, float]:
+    """CPU seconds each role spent between two readings, process by process: one that began
+    meanwhile counts whole, one that ended meanwhile is missing (its last share is lost)."""
+    totals = dict.fromkeys(ROLES, 0.0)
+    for key, (role, seconds) in after.items():
+        earlier = before.get(key, (role, 0.0))[1]
+        totals[role] += max(seconds - earlier, 0.0)
+    return totals
