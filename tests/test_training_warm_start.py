@@ -113,6 +113,14 @@ def test_an_eagle3_run_starts_from_the_drafter_it_is_given(target, tmp_path):
     started = again.info["started_from"]
     assert started["drafter"] == str(tmp_path / "first")
     assert started["training_answer_tokens"] == first.info["training_answer_tokens"]
+    # A third run in the chain counts what both before it learnt from.
+    third = run_train_eagle3(target, Eagle3TrainOptions(
+        output=tmp_path / "third", learning_rate=0.0, init_from=str(tmp_path / "again"),
+        **common,
+    ))  # fmt: skip
+    assert third.info["started_from"]["training_answer_tokens"] == (
+        first.info["training_answer_tokens"] + again.info["training_answer_tokens"]
+    )
     # Options that shape the network must agree with the drafter's.
     refused = r"feature_layers \[0, 1, 2\], this run asks for \[0, 1, 1\]"
     with pytest.raises(ValueError, match=refused):

@@ -33,9 +33,13 @@ def initial_drafter(options, kind: str, network_class: type, model, run: Trainin
     network = drafter.network.float().train()
     for parameter in network.parameters():
         parameter.requires_grad_(True)
+    # What the start had learnt from in all: its own run and, when it was warm-started too,
+    # what its own start had (so a chain of runs draws one learning curve).
+    learnt = drafter.info.get("training_answer_tokens")
+    earlier = (drafter.info.get("started_from") or {}).get("training_answer_tokens") or 0
     run.started_from = {
         "drafter": str(source),
-        "training_answer_tokens": drafter.info.get("training_answer_tokens"),
+        "training_answer_tokens": None if learnt is None else learnt + earlier,
         "data": drafter.info.get("data"),
     }
     print(
