@@ -11,10 +11,11 @@ comes, as before.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:  # annotations only: generation.py imports this module
-    from server.generation import ChoiceEvent
+# server.generation's ChoiceEvent (a dataclass with index, text, token_ids, logprobs, sources,
+# finish_reason); not imported, as generation.py imports this module.
+ChoiceEvent = Any
 
 
 def merged(first: ChoiceEvent, then: ChoiceEvent) -> ChoiceEvent:
