@@ -45,6 +45,8 @@ class StreamInterval:
         self._started: set[int] = set()
 
     def push(self, event: ChoiceEvent) -> list[ChoiceEvent]:
+        if self.interval == 1:  # the default: nothing is ever held
+            return [event]
         index = event.index
         if index in self._held:
             event = merged(self._held.pop(index), event)

@@ -47,7 +47,7 @@ def role_of(pid: int, processes: dict[int, _Process]) -> str | None:
     p = processes[pid]
     if p.name.startswith("ray::ProxyActor"):
         return "Ray proxy"
-    if p.name.startswith("ray::ServeReplica") or p.name.startswith("ray::ServeRepli"):
+    if p.name.startswith("ray::ServeRepli"):  # comm is cut to 15 characters
         return "ingress" if "specserve-ingress" in p.command else "replica actors"
     serving = (".cli serve", "specserve serve", "server.ray_serve.tethered")  # our entry points
     if any(s in p.command for s in serving):
