@@ -86,6 +86,16 @@ class HierarchicalConfig(Strict):
     tau2: float = Field(1.0, gt=0)
 
 
+class HybridConfig(Strict):
+    """The ``hybrid`` decoder: prompt lookup where a match of at least ``lookup_min`` tokens
+    is found (up to ``prompt_lookup_max``), else the trained decoder ``drafter`` (configured
+    by its own section), drafting at most ``drafter_max_tokens`` (None: k) a step."""
+
+    drafter: Literal["medusa", "hydra", "eagle", "eagle3", "kangaroo"] = "hydra"
+    lookup_min: int = Field(3, ge=1)
+    drafter_max_tokens: int | None = Field(None, ge=1)
+
+
 # ---- the registry ------------------------------------------------------------------------
 
 
@@ -294,4 +304,19 @@ register(
         network="engine.decoders.kangaroo:KangarooAdapter",
         bench={"kangaroo": {"method": "kangaroo"}, **_k("kangaroo", 1, 2), **_goodput("kangaroo")},
     )
+)
+register(
+    DecoderSpec(
+        "hybrid",
+        "engine.decoders.hybrid:build_hybrid_decoder",
+        "prompt lookup where the text repeats, a trained drafter elsewhere (each its own k)",
+        section=HybridConfig,
+        bench={
+            "hybrid": {"method": "hybrid"},
+            "hybrid-fixed": {
+                "method": "hybrid", "draft_policy": "fixed", "hybrid": {"drafter_max_tokens": 1},
+            },
+            "hybrid-eagle3": {"method": "hybrid", "hybrid": {"drafter": "eagle3"}},
+        },
+    )  # fmt: skip
 )

@@ -177,24 +177,32 @@ class Speculator:
                 continue
             wants = decoder.plan(seqs, {s: self._max_drafts(s) for s in seqs})
             wants = {s: n for s, n in wants.items() if n > 0}
-            if self.policy is not None and wants:
-                others = [s for s in decoding if s not in wants]
-                k = self.policy.choose(
-                    decoder.name,
-                    len(wants),
-                    max(wants.values()),
-                    context=sum(s.num_tokens for s in wants),
-                    other_tokens=len(others),
-                    other_keys=sum(s.num_tokens for s in others),
-                )
-                explorer = next(iter(wants)) if self.policy.explore else None
-                wants = {
-                    s: min(n, k + (s is explorer)) for s, n in wants.items()
-                    if min(n, k + (s is explorer)) > 0
-                }  # fmt: skip
-                self.predicted_step_seconds = self.policy.predicted_seconds or 0.0
-            lookahead.update(wants)
+            if self.policy is None or not wants:
+                lookahead.update(wants)
+                continue
+            for source, group in _by_source(decoder, wants).items():
+                lookahead.update(self._chosen_lengths(source, group, decoding))
         return lookahead
+
+    def _chosen_lengths(
+        self, source: str, wants: dict[Sequence, int], decoding: list[Sequence]
+    ) -> dict[Sequence, int]:
+        """The policy's draft length for the sequences of one draft source."""
+        others = [s for s in decoding if s not in wants]
+        k = self.policy.choose(
+            source,
+            len(wants),
+            max(wants.values()),
+            context=sum(s.num_tokens for s in wants),
+            other_tokens=len(others),
+            other_keys=sum(s.num_tokens for s in others),
+        )
+        explorer = next(iter(wants)) if self.policy.explore else None
+        self.predicted_step_seconds = self.policy.predicted_seconds or 0.0
+        return {
+            s: min(n, k + (s is explorer)) for s, n in wants.items()
+            if min(n, k + (s is explorer)) > 0
+        }  # fmt: skip
 
     def propose(self, scheduled: list[ScheduledSequence]) -> dict[Sequence, Proposal]:
         """Drafts for the sequences granted lookahead slots; a sequence's ``num_lookahead``
@@ -203,25 +211,8 @@ class Speculator:
         proposals: dict[Sequence, Proposal] = {}
         for decoder, seqs in self._by_decoder(granted).items():
             grants = {s: granted[s].num_lookahead for s in seqs}
-            # A drafter far behind (a sequence's first draft reads its whole prompt, a
-            # stretch without drafts its every token) pays a catch-up that drafting every
-            # step does not: priced by it, drafting looked 10x dearer than it is and the
-            # policy never drafted again (eagle-goodput at 0.95x while eagle-k1 made 1.08x).
-            behind = max(decoder.tokens_behind(s) for s in seqs)
-            started = time.perf_counter()
-            proposals.update(decoder.propose(seqs, grants))
-            if self.policy is not None:
-                seconds = time.perf_counter() - started
-                steady = behind <= max(grants.values()) + CATCH_UP_SLACK
-                if decoder.name in self._warm_decoders and steady:
-                    self.policy.observe_draft(
-                        decoder.name, max(grants.values()), len(grants), seconds
-                    )
-                # A decoder's first drafts in a process run cold (first calls allocate and
-                # warm caches: 1.5-4x a later call), and the policy would price a
-                # length by the one call it made while exploring it.
-                self._warm_decoders.add(decoder.name)
-                self._step_draft_seconds += seconds
+            for source, group in _by_source(decoder, grants).items():
+                proposals.update(self._proposals_of(decoder, source, group))
         for seq, s in granted.items():
             proposal = proposals.get(seq)
             count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
@@ -232,6 +223,28 @@ class Speculator:
                     raise ValueError(f"decoder of {seq.request_id} proposed a tree: no KV cache")
                 proposals[seq] = proposal.truncated(count)
             s.num_lookahead = count
+        return proposals
+
+    def _proposals_of(self, decoder: Decoder, source: str, grants: dict[Sequence, int]) -> dict:
+        """One draft source's proposals for its granted sequences, its drafting timed for
+        the policy."""
+        # A drafter far behind (a sequence's first draft reads its whole prompt, a
+        # stretch without drafts its every token) pays a catch-up that drafting every
+        # step does not: priced by it, drafting looked 10x dearer than it is and the
+        # policy never drafted again (eagle-goodput at 0.95x while eagle-k1 made 1.08x).
+        behind = max(decoder.tokens_behind(s) for s in grants)
+        started = time.perf_counter()
+        proposals = decoder.propose(list(grants), grants)
+        if self.policy is not None:
+            seconds = time.perf_counter() - started
+            steady = behind <= max(grants.values()) + CATCH_UP_SLACK
+            if source in self._warm_decoders and steady:
+                self.policy.observe_draft(source, max(grants.values()), len(grants), seconds)
+            # A decoder's first drafts in a process run cold (first calls allocate and
+            # warm caches: 1.5-4x a later call), and the policy would price a
+            # length by the one call it made while exploring it.
+            self._warm_decoders.add(source)
+            self._step_draft_seconds += seconds
         return proposals
 
     def observe_forward(self, items: list[ForwardItem], seconds: float, drafted: bool) -> None:
@@ -330,7 +343,7 @@ class Speculator:
                 self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
                 if self.policy is not None:
                     self.policy.observe_run(
-                        decoder.name, k, v.num_accepted, tree=run.parents is not None
+                        decoder.draft_source(s.seq), k, v.num_accepted, tree=run.parents is not None
                     )
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
@@ -424,3 +437,11 @@ def _last_token_rows(runs: list[DraftRun], verified) -> list[int]:
         rows.append(row + (v.path[-1] + 1 if v.path else 0))
         row += len(run.draft_token_ids) + 1
     return rows
+
+
+def _by_source(decoder: Decoder, wants: dict[Sequence, int]) -> dict[str, dict[Sequence, int]]:
+    """``wants`` split by the decoder's draft source of each sequence."""
+    groups: dict[str, dict[Sequence, int]] = {}
+    for seq, n in wants.items():
+        groups.setdefault(decoder.draft_source(seq), {})[seq] = n
+    return groups

@@ -38,6 +38,8 @@ VOCAB = 48
 # Every token once (7 is coprime with 48): whatever the first sampled token, prompt lookup
 # finds it in the prompt, so ngram drafts for every continuation too.
 PROMPT = [(7 * i + 3) % VOCAB for i in range(VOCAB)]
+# Half the tokens, twice: prompt lookup finds a sampled token (and drafts) about half the time.
+HALF_PROMPT = PROMPT[: VOCAB // 2] * 2
 DRAWS = 2000
 LEVEL = 1e-4
 
@@ -62,17 +64,19 @@ PARAMS = {
 # "eagle": a random EAGLE layer ("eagle3": EAGLE-3's, over all three layers), "kangaroo": a
 # random adapter after the first layer, whose drafts are drawn from their q; in "separate", the
 # EAGLE layers draft EAGLE-2 trees of two deterministic nodes (siblings or a chain, as its
-# values rank them).
+# values rank them). "hybrid" (on HALF_PROMPT): prompt lookup where the last token occurs in
+# the prompt, the random EAGLE-3 layer otherwise.
 DECODERS = {
     "self": {
         "method": "ngram",
         "extra_methods": [
             "draft", "layerskip", "hierarchical", "medusa", "hydra", "eagle", "eagle3",
-            "kangaroo",
+            "kangaroo", "hybrid",
         ],  # fmt: skip
         "draft": {"model": "self", "quantization": "int8"},
         "layerskip": {"skip_attention": [1], "skip_mlp": [2]},
         "hierarchical": {"level1": "ngram", "tau2": 10.0},
+        "hybrid": {"drafter": "eagle3", "lookup_min": 1},
     },
     "separate": {
         "method": "draft",
@@ -94,6 +98,7 @@ CASES = {
     "eagle": ("self", "eagle"),
     "eagle3": ("self", "eagle3"),
     "kangaroo": ("self", "kangaroo"),
+    "hybrid": ("self", "hybrid"),
     "draft-separate": ("separate", "draft"),
     "eagle-tree": ("separate", "eagle"),
     "eagle3-tree": ("separate", "eagle3"),
@@ -146,8 +151,13 @@ def engines(target_dir, tmp_path_factory) -> dict[str, LLM]:
 
 
 @pytest.fixture(scope="module")
-def exact(engines) -> dict[str, tuple[torch.Tensor, ...]]:
-    return {name: exact_marginals(engines["self"].engine, PROMPT, p) for name, p in PARAMS.items()}
+def exact(engines) -> dict[tuple[str, str], tuple[torch.Tensor, ...]]:
+    """The exact marginals by (prompt, params name): PROMPT's, and HALF_PROMPT's as well."""
+    return {
+        (prompt_name, name): exact_marginals(engines["self"].engine, prompt, p)
+        for prompt_name, prompt in (("every token", PROMPT), ("half", HALF_PROMPT))
+        for name, p in PARAMS.items()
+    }
 
 
 class _Row:
@@ -192,8 +202,10 @@ def exact_marginals(engine, prompt: list[int], params: SamplingParams):
     return first, first @ second, torch.einsum("a,ab,abc->c", first, second, third)
 
 
-def sample_continuations(engine, method: str, requests: list[SamplingParams], monkeypatch):
-    """Run ``requests`` (prompt PROMPT) with ``method``; returns the output token ids, one row
+def sample_continuations(
+    engine, method: str, requests: list[SamplingParams], monkeypatch, prompt=PROMPT
+):
+    """Run ``requests`` (on ``prompt``) with ``method``; returns the output token ids, one row
     per continuation, and how many proposals carried the drafter's distributions q."""
     decoder = engine.speculator.decoders[method]
     with_q = []
@@ -205,7 +217,7 @@ def sample_continuations(engine, method: str, requests: list[SamplingParams], mo
 
     monkeypatch.setattr(decoder, "propose", propose)
     for i, params in enumerate(requests):
-        engine.add_request(f"{method}-{i}", PROMPT, params, SpeculativeOptions(method))
+        engine.add_request(f"{method}-{i}", prompt, params, SpeculativeOptions(method))
     outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for out in engine.step() if out.finished for o in out.outputs]
@@ -225,9 +237,10 @@ def run_case(engines, exact, case, params_name, requests, monkeypatch) -> None:
     engine = engines[engine_name].engine
     stats = engine.speculator.stats_by_decoder[method]
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-    tokens, num_with_q = sample_continuations(engine, method, requests, monkeypatch)
+    prompt_name, prompt = ("half", HALF_PROMPT) if case == "hybrid" else ("every token", PROMPT)
+    tokens, num_with_q = sample_continuations(engine, method, requests, monkeypatch, prompt)
     assert tokens.shape == (DRAWS, 4)
-    check_distributions(tokens, exact[params_name])
+    check_distributions(tokens, exact[prompt_name, params_name])
     drafts = stats.num_drafts - before[0]
     draft_tokens = stats.num_draft_tokens - before[1]
     accepted = stats.num_accepted_tokens - before[2]
@@ -237,7 +250,10 @@ def run_case(engines, exact, case, params_name, requests, monkeypatch) -> None:
     # A model drafter samples its drafts and hands q to the rejection sampler; prompt lookup's,
     # the trained heads' and EAGLE-2 trees' drafts are deterministic (q one-hot, passed as None).
     deterministic = case in ("ngram", "medusa-tree", "hydra-tree", "eagle-tree", "eagle3-tree")
-    assert num_with_q == (0 if deterministic else drafts)
+    if case == "hybrid":  # both sources drafted: the lookup's drafts one-hot, EAGLE-3's with q
+        assert 0 < drafts - num_with_q < num_with_q
+    else:
+        assert num_with_q == (0 if deterministic else drafts)
 
 
 @pytest.mark.parametrize("params_name", list(PARAMS))
@@ -313,5 +329,5 @@ def test_draft_lengths_switching_mid_request_keep_sampling_exact(engines, exact,
         **{**params.__dict__, "n": DRAWS, "max_tokens": 4, "ignore_eos": True, "seed": 2}
     )
     tokens, _ = sample_continuations(engine, "draft", [request], monkeypatch)
-    check_distributions(tokens, exact["penalties-logit_bias"])
+    check_distributions(tokens, exact["every token", "penalties-logit_bias"])
     assert sum(1 for count in policy.chosen["draft"].values() if count) >= 2, policy.chosen

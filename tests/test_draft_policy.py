@@ -473,3 +473,28 @@ def test_the_engine_measures_the_loop_between_its_steps(tiny_model_dir):
     assert len(seen) == before
     spec.observe_step_interval(0.001 * (1 + IDLE_GAP_RATIO / 2))
     assert len(seen) == before + 1
+
+
+def test_a_hybrid_s_two_sources_get_lengths_of_their_own(tiny_model_dir, eagle_dir):
+    """The hybrid decoder drafts by prompt lookup where the text repeats and by its trained
+    drafter elsewhere: the policy keeps each source's acceptance and cost apart (a lookup
+    match accepted whole must not make the drafter's guesses look as good), and greedy
+    output stays the target's."""
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(20, 80))]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(prompts, greedy)]
+    decoder = {
+        "method": "hybrid",
+        "hybrid": {"drafter": "eagle", "lookup_min": 3},
+        "eagle": {"drafter": str(eagle_dir)},
+        "num_speculative_tokens": 3,
+    }
+    llm = LLM(model=str(tiny_model_dir), decoder=decoder, kv_cache={"num_blocks": 256})
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
+    spec = llm.engine.speculator
+    records = spec.policy.decoders
+    assert {"hybrid:lookup", "hybrid:eagle"} <= set(records)
+    for source in ("hybrid:lookup", "hybrid:eagle"):
+        assert records[source].reached, f"no verified runs of {source}"
+        assert sum(spec.policy.chosen[source].values()) > 0
+    assert spec.stats_by_decoder["hybrid"].num_drafts > 0

@@ -80,6 +80,12 @@ class Decoder:
         granted; at least 1). Returns ``{seq: Proposal}``; a sequence may be left out."""
         return {}
 
+    def draft_source(self, seq: Sequence) -> str:
+        """Which of the decoder's drafters drafts for ``seq`` this step (read after ``plan``):
+        the goodput policy learns each source's acceptance and cost apart and picks each its
+        own draft length. A decoder with one drafter is its only source."""
+        return self.name
+
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
         """The target accepted the first ``num_accepted`` drafts of ``proposal``."""
 
