@@ -313,6 +313,7 @@ register(
         section=HybridConfig,
         bench={
             "hybrid": {"method": "hybrid"},
+            "hybrid-min2": {"method": "hybrid", "hybrid": {"lookup_min": 2}},
             "hybrid-fixed": {
                 "method": "hybrid", "draft_policy": "fixed", "hybrid": {"drafter_max_tokens": 1},
             },

@@ -47,3 +47,28 @@ def test_the_default_engine_loads_them_and_plain_requests_stay_plain(smollm2_llm
     finally:
         spec.plain_step = original
     assert picked == plain and not all(plain_steps)
+
+
+def test_hybrid_with_the_shipped_heads_is_lossless_on_smollm2(smollm2_path, smollm2_llm):
+    """Prompt lookup on a prompt the answer copies from, the shipped Hydra heads elsewhere:
+    greedy output is plain decoding's, and both sources had drafts accepted."""
+    chats = [
+        *CHATS,
+        [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog "
+          "near the quiet river bank at dawn."}],
+    ]  # fmt: skip
+    decoder = {"method": "hybrid", "num_speculative_tokens": 4, "draft_policy": "fixed"}
+    llm = LLM(model=str(smollm2_path), decoder=decoder)
+    hybrid = llm.engine.speculator.decoders["hybrid"]
+    accepted: dict[str, int] = {}
+    on_verified = hybrid.on_verified
+
+    def counting(seq, proposal, num_accepted):
+        source = hybrid.draft_source(seq)
+        accepted[source] = accepted.get(source, 0) + num_accepted
+        on_verified(seq, proposal, num_accepted)
+
+    hybrid.on_verified = counting
+    expected = [o.token_ids for o in smollm2_llm.chat(chats, GREEDY)]
+    assert [o.token_ids for o in llm.chat(chats, GREEDY, SpeculativeOptions("hybrid"))] == expected
+    assert accepted.get("hybrid:lookup", 0) > 0 and accepted.get("hybrid:hydra", 0) > 0, accepted

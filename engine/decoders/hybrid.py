@@ -1,5 +1,5 @@
 """``hybrid``: prompt lookup where the text repeats itself, a trained drafter everywhere else
-(the combination ArcticInference runs: suffix matches first, its speculator otherwise).
+(the combination Arctic Inference offers: Suffix Decoding with its trained speculators).
 
 The two win in different places. Prompt lookup drafts for free and its long matches are
 accepted whole when an answer copies its input (grounded answers, code edits), but it has
