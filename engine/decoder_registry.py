@@ -115,6 +115,7 @@ class DecoderSpec:
     network: str | None = None  # a trained decoder's drafter network, "module:Class"
     check: Callable[[Any], None] | None = None
     bench: dict[str, dict] = field(default_factory=dict)
+    drafts_with: Callable[[Any], str] | None = None
 
     def builder(self) -> Callable:
         return _imported(self.build)
@@ -153,6 +154,15 @@ def trained_decoders() -> list[str]:
     return [name for name, spec in DECODERS.items() if spec.trained]
 
 
+def decoders_on_drafters(config) -> dict[str, str]:
+    """Decoder name -> the trained decoder whose drafter it drafts with, for ``config``."""
+    return {
+        name: spec.drafts_with(config)
+        for name, spec in DECODERS.items()
+        if spec.drafts_with is not None
+    }
+
+
 def _draft_is_cheaper_than_the_target(config) -> None:
     draft = config.draft
     if draft.model == "self" and draft.quantization == "none" and draft.num_layers is None:
@@ -178,6 +188,12 @@ def _k(name: str, *ks: int) -> dict[str, dict]:
 
 def _goodput(name: str) -> dict[str, dict]:
     return {f"{name}-goodput": {"method": name, "draft_policy": "goodput"}}
+
+
+def _hybrid_k1(variant: str, **hybrid) -> dict[str, dict]:
+    """A fixed hybrid: lookup drafts up to k, the trained drafter one token."""
+    section = {"drafter_max_tokens": 1, **hybrid}
+    return {variant: {"method": "hybrid", "draft_policy": "fixed", "hybrid": section}}
 
 
 def _draft(quantization: str = "int8", layers: int | None = None, **extra) -> dict:
@@ -311,13 +327,19 @@ register(
         "engine.decoders.hybrid:build_hybrid_decoder",
         "prompt lookup where the text repeats, a trained drafter elsewhere (each its own k)",
         section=HybridConfig,
+        drafts_with=lambda config: config.hybrid.drafter,
         bench={
             "hybrid": {"method": "hybrid"},
-            "hybrid-min2": {"method": "hybrid", "hybrid": {"lookup_min": 2}},
-            "hybrid-fixed": {
-                "method": "hybrid", "draft_policy": "fixed", "hybrid": {"drafter_max_tokens": 1},
+            **_hybrid_k1("hybrid-k1"),
+            **_hybrid_k1("hybrid-k1-min2", lookup_min=2),
+            **_hybrid_k1("hybrid-eagle3-k1", drafter="eagle3"),
+            **_goodput("hybrid"),
+            "hybrid-goodput-k8": {
+                "method": "hybrid", "draft_policy": "goodput", "num_speculative_tokens": 8,
             },
-            "hybrid-eagle3": {"method": "hybrid", "hybrid": {"drafter": "eagle3"}},
+            "hybrid-eagle3-goodput": {
+                "method": "hybrid", "draft_policy": "goodput", "hybrid": {"drafter": "eagle3"},
+            },
         },
     )  # fmt: skip
 )

@@ -15,7 +15,7 @@ from engine.config import DecoderConfig, EngineConfig
 from engine.constraints import AllConstraints, ConstraintFactory, normalize_phrase
 from engine.constraints.banned import MAX_REWINDS
 from engine.cuda_graphs import capture_plan
-from engine.decoder_registry import trained_decoders
+from engine.decoder_registry import decoders_on_drafters, trained_decoders
 from engine.decoders import SpeculativeOptions, TargetContext, build_decoder
 from engine.decoders.drafter_files import find_shipped_drafter
 from engine.decoders.gate import TargetConfidenceGate
@@ -168,6 +168,12 @@ class Engine:
         names = list(config.methods)
         if config.load_shipped_drafters:
             names += [kind for kind in trained_decoders() if find_shipped_drafter(kind, self.model)]
+            # ... and those that draft with one of them (hybrid: lookup, else the heads).
+            names += [
+                name
+                for name, kind in decoders_on_drafters(config).items()
+                if find_shipped_drafter(kind, self.model)
+            ]
         drafting = {
             name: build_decoder(name, config, target)
             for name in dict.fromkeys(names)

@@ -29,7 +29,9 @@ def test_shipped_drafter_is_accepted_and_lossless_on_smollm2(smollm2_path, smoll
 
 def test_the_default_engine_loads_them_and_plain_requests_stay_plain(smollm2_llm):
     engine = smollm2_llm.engine  # the default config
-    assert {"medusa", "hydra", "eagle", "eagle3", "kangaroo"} <= set(engine.loaded_decoders)
+    assert {"medusa", "hydra", "eagle", "eagle3", "kangaroo", "hybrid"} <= set(
+        engine.loaded_decoders
+    )
     spec = engine.speculator
     plain_steps = []
     original = spec.plain_step
