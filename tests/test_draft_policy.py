@@ -7,6 +7,7 @@ step. Sampled exactness with changing lengths is in tests/test_decoders_sampling
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -310,6 +311,11 @@ def test_its_choices_reach_prometheus_and_survive_an_engine_restart(tiny_model_d
 
     assert parse_draft_lengths(text, "ngram") == dict(enumerate(map(float, counts)))
     assert parse_draft_lengths(text, "eagle") == {}
+    by_source = dataclasses.replace(
+        stats, spec_draft_lengths=(("hybrid:lookup", (0, 2)), ("hybrid:hydra", (0, 3)))
+    )
+    sources = ServerMetrics("m", lambda: by_source).render().decode()
+    assert parse_draft_lengths(sources, "hybrid") == {0: 0.0, 1: 5.0}  # its sources, summed
     assert policy_summary({0: 3.0, 2: 1.0}) == "75% | 0.50" and policy_summary({}) == "- | -"
     assert stats.spec_policy_measured_seconds > 0
     # Counters carried over a restart add up length by length.

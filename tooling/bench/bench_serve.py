@@ -308,7 +308,8 @@ def draft_lengths_chosen(url: str, method: str) -> dict[int, float]:
 
 
 def parse_draft_lengths(text: str, method: str) -> dict[int, float]:
-    """Steps per chosen draft length for ``method`` in Prometheus text."""
+    """Steps per chosen draft length for ``method`` in Prometheus text: its own series, and
+    those of its draft sources (``hybrid:lookup``, ``hybrid:hydra``) summed."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counts: dict[int, float] = {}
@@ -316,8 +317,10 @@ def parse_draft_lengths(text: str, method: str) -> dict[int, float]:
         if family.name != "specserve:spec_decode_draft_length_chosen":
             continue
         for sample in family.samples:
-            if sample.name.endswith("_total") and sample.labels.get("decoder") == method:
-                counts[int(sample.labels["length"])] = sample.value
+            decoder = sample.labels.get("decoder", "")
+            if sample.name.endswith("_total") and decoder.partition(":")[0] == method:
+                length = int(sample.labels["length"])
+                counts[length] = counts.get(length, 0.0) + sample.value
     return counts
 
 
