@@ -21,6 +21,7 @@ lossless like each alone.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,8 +45,9 @@ class HybridDecoder(Decoder):
         self.drafter = drafter
         self.drafter_max_tokens = drafter_max_tokens
         self.reads_target_hidden = drafter.reads_target_hidden
-        # Which source drafts for each sequence this step (set by ``plan``).
-        self._source: dict[Sequence, str] = {}
+        # Which source drafts for each sequence this step (set by ``plan``; weak, so a
+        # sequence that finished is not held until the next plan).
+        self._source: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @property
     def sources(self) -> tuple[str, str]:
@@ -64,7 +66,7 @@ class HybridDecoder(Decoder):
         caps = {s: max_drafts[s] if most is None else min(max_drafts[s], most) for s in rest}
         drafted = self.drafter.plan(rest, caps) if rest else {}
         lookup_source, drafter_source = self.sources
-        self._source = {s: lookup_source for s in looked_up}
+        self._source = weakref.WeakKeyDictionary({s: lookup_source for s in looked_up})
         self._source.update({s: drafter_source for s in drafted})
         return {**looked_up, **drafted}
 
