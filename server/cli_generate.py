@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from engine.decoder_registry import DECODERS, trained_decoders
+from engine.decoder_registry import DECODERS, decoders_on_drafters, trained_decoders
 
 
 def _positive_int(text: str) -> int:
@@ -83,7 +83,8 @@ def add_model_arguments(p: argparse.ArgumentParser, decoder_choices: bool = True
     )
     p.add_argument(
         "--drafter",
-        help="trained drafter directory of the --decoder (medusa, hydra, eagle or kangaroo; "
+        help=f"trained drafter directory of the --decoder ({', '.join(trained_decoders())}; "
+        "with hybrid: its trained drafter's; "
         "default: the one shipped for the model; `specserve train KIND` writes one)",
     )
 
@@ -116,9 +117,12 @@ def engine_config_from_args(args: argparse.Namespace):
     if args.draft_model:
         decoder["draft"] = {**config.decoder.draft.model_dump(), "model": args.draft_model}
     if getattr(args, "drafter", None):
-        trained = args.decoder or config.decoder.method
+        method = args.decoder or config.decoder.method
+        # hybrid drafts with a trained decoder's drafter: --drafter names that one's
+        trained = decoders_on_drafters(config.decoder).get(method, method)
         if trained not in trained_decoders():
-            raise ValueError(f"--drafter needs --decoder {' or '.join(trained_decoders())}")
+            choices = [*trained_decoders(), *decoders_on_drafters(config.decoder)]
+            raise ValueError(f"--drafter needs --decoder {' or '.join(choices)}")
         decoder[trained] = {"drafter": args.drafter}
     decoder = {k: v for k, v in decoder.items() if v is not None}
     if decoder:

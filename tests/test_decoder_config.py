@@ -181,3 +181,18 @@ def test_the_step_stretch_bound_comes_from_the_command_line_or_stays_off():
     assert engine_config_from_args(parser.parse_args(["serve"])).decoder.max_step_stretch is None
     with pytest.raises(ValueError, match="max_step_stretch"):
         EngineConfig().with_overrides(decoder={"max_step_stretch": 0.9})  # shorter than plain
+
+
+def test_drafter_names_the_trained_decoder_s_drafter_and_hybrid_s():
+    from server.cli_generate import engine_config_from_args
+    from tooling.cli import build_parser
+
+    parser = build_parser()
+    args = ["serve", "--decoder", "hydra", "--drafter", "my-heads"]
+    assert engine_config_from_args(parser.parse_args(args)).decoder.hydra.drafter == "my-heads"
+    # hybrid drafts with hydra's heads (hybrid.drafter): --drafter names those
+    args = ["serve", "--decoder", "hybrid", "--drafter", "my-heads"]
+    assert engine_config_from_args(parser.parse_args(args)).decoder.hydra.drafter == "my-heads"
+    ngram = parser.parse_args(["serve", "--decoder", "ngram", "--drafter", "x"])
+    with pytest.raises(ValueError, match="--drafter needs --decoder .*hybrid"):
+        engine_config_from_args(ngram)
