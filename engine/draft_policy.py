@@ -27,11 +27,11 @@ for the B sequences that want to draft, with
 
 Exploration costs one sequence, never the batch: a length never drafted yet is tried by one
 sequence of the group (``explore``: it drafts one more than the choice), and so is the next
-length every ``explore_every`` steps while it could be within ``PLAUSIBLE`` of the best rate
-(its acceptance and cost estimates keep up with the load), and only every ``RARELY`` times
-that otherwise (a loss by the estimates is seldom worth re-checking, and each check slows a
-step). "Could be" reads each acceptance ``OPTIMISM`` standard errors high: a few unlucky
-first runs (one accepted of five, for a drafter right 46% of the time) must not file a
+length every ``explore_every`` of the decoder's choices while it could be within ``PLAUSIBLE``
+of the best rate (its acceptance and cost estimates keep up with the load), and only every
+``RARELY`` times that otherwise (a loss by the estimates is seldom worth re-checking, and each
+check slows a step). "Could be" reads each acceptance ``OPTIMISM`` standard errors high: a few
+unlucky first runs (one accepted of five, for a drafter right 46% of the time) must not file a
 length under "clear loss" before enough runs say so.
 With ``max_step_stretch`` s it only considers lengths whose predicted step (drafting,
 forward and verification) takes at most s times the plain step's, and explores none beyond: a
@@ -175,6 +175,11 @@ class DecoderRecord:
     tree_runs: dict[int, float] = field(default_factory=dict)
     tree_accepted: dict[int, float] = field(default_factory=dict)
     tree_squares: dict[int, float] = field(default_factory=dict)
+    # Choices made for it, and of those the ones that considered exploring: counted per
+    # decoder (draft source), so that two sources choosing in every step (hybrid's lookup and
+    # drafter) each get their turn at the periodic re-check, not always the same one.
+    choices: int = 0
+    exploring_choices: int = 0
 
     def observe_draft(self, depth: int, num_seqs: int, seconds: float) -> None:
         key = (depth, num_seqs)
@@ -275,8 +280,6 @@ class GoodputPolicy:
         self.decoders: dict[str, DecoderRecord] = defaultdict(DecoderRecord)
         self.explore_every = explore_every
         self._calibrate = calibrate
-        self._steps = 0
-        self._exploring_steps = 0
         self.chosen: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.predicted_seconds: float | None = None  # the last choice's predicted step time
         self.explore = False  # whether one sequence should draft one more than the choice
@@ -307,8 +310,8 @@ class GoodputPolicy:
         sequences cost what 8 -> 10 rows cost, not 1 -> 3, and the step's output is theirs
         too."""
         self.ensure_calibrated()
-        self._steps += 1
         record = self.decoders[decoder]
+        record.choices += 1
         rates: dict[int, tuple[float, float]] = {}  # k -> (tokens per second, step seconds)
         hopes: dict[int, float] = {}  # k -> tokens per second at optimistic acceptance
         too_long = False  # the next length's step is known to break max_step_stretch
@@ -334,10 +337,10 @@ class GoodputPolicy:
             self.explore = False
         elif nxt not in rates:
             self.explore = True  # never measured: one sequence tries it now
-        elif self._steps % self.explore_every == 0:
-            self._exploring_steps += 1
+        elif record.choices % self.explore_every == 0:
+            record.exploring_choices += 1
             plausible = hopes[nxt] >= PLAUSIBLE * rates[best][0]
-            self.explore = plausible or self._exploring_steps % RARELY == 0
+            self.explore = plausible or record.exploring_choices % RARELY == 0
         else:
             self.explore = False
         self.predicted_seconds = None if self.explore or not rates else rates[best][1]

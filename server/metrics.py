@@ -113,7 +113,8 @@ class EngineStatsCollector(Collector):
             return
         chosen = CounterMetricFamily(
             PREFIX + "spec_decode_draft_length_chosen",
-            "Steps in which the draft policy chose each draft length, per decoder",
+            "Choices of each draft length by the draft policy, per decoder (a hybrid's per draft "
+            "source: decoder:source); one per step and decoder (or source) that drafted",
             labels=["model_name", "decoder", "length"],
         )
         for decoder, counts in lengths:

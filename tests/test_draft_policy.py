@@ -504,3 +504,22 @@ def test_a_hybrid_s_two_sources_get_lengths_of_their_own(tiny_model_dir, eagle_d
         assert records[source].reached, f"no verified runs of {source}"
         assert sum(spec.policy.chosen[source].values()) > 0
     assert spec.stats_by_decoder["hybrid"].num_drafts > 0
+
+
+def test_two_sources_choosing_every_step_each_get_their_re_checks():
+    """A hybrid's lookup and drafter choose in every step of a batch that holds both: a
+    re-check every 16th choice counted over both would fall on the same source each time
+    (their calls alternate), and the other would never re-try a length it left."""
+    import copy
+
+    # One draft pays a little less than none by the estimates, and could pay: re-checked.
+    policy = trained_policy(lambda n: 0.01 * (1 + 0.4 * (n - 1)), 0.0005, 0.33, cap=2)
+    assert policy.choose("d", num_seqs=1, cap=2) == 0 and not policy.explore
+    policy.decoders["e"] = copy.deepcopy(policy.decoders["d"])
+    policy.explore_every = 16
+    explored = {"d": 0, "e": 0}
+    for _ in range(64):
+        for source in ("d", "e"):
+            policy.choose(source, num_seqs=1, cap=2)
+            explored[source] += policy.explore
+    assert explored["d"] > 0 and explored["e"] > 0, explored
