@@ -48,7 +48,7 @@ def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") 
         ax.annotate(label, (float(trained), 100 * float(accuracy)), textcoords="offset points",
                     xytext=(-6, -4 - 11 * marks.index(mark)), fontsize=8, ha="right")  # fmt: skip
     ax.set_xscale("log")
-    ax.set_xlabel("answer tokens trained on (each seen once)")
+    ax.set_xlabel("answer tokens trained on (a token trained on twice counts twice)")
     ax.set_ylabel("held-out top-1 accuracy (%)")
     ax.set_title(f"EAGLE drafters: held-out accuracy against training data\n{title}", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
