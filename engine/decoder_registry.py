@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Strict(BaseModel):
@@ -91,9 +91,16 @@ class HybridConfig(Strict):
     is found (up to ``prompt_lookup_max``), else the trained decoder ``drafter`` (configured
     by its own section), drafting at most ``drafter_max_tokens`` (None: k) a step."""
 
-    drafter: Literal["medusa", "hydra", "eagle", "eagle3", "kangaroo"] = "hydra"
+    drafter: str = "hydra"
     lookup_min: int = Field(3, ge=1)
     drafter_max_tokens: int | None = Field(None, ge=1)
+
+    @field_validator("drafter")
+    @classmethod
+    def _a_trained_decoder(cls, name: str) -> str:
+        if name not in trained_decoders():
+            raise ValueError(f"hybrid.drafter must be one of {', '.join(trained_decoders())}")
+        return name
 
 
 # ---- the registry ------------------------------------------------------------------------

@@ -70,23 +70,24 @@ class HybridDecoder(Decoder):
         self._source.update({s: drafter_source for s in drafted})
         return {**looked_up, **drafted}
 
+    def _looked_up(self, seq: Sequence) -> bool:
+        """Whether prompt lookup drafts for ``seq`` this step."""
+        return self._source.get(seq) == self.sources[0]
+
     def propose(self, seqs: list[Sequence], num_drafts: dict[Sequence, int]) -> dict:
-        lookup_source = self.sources[0]
-        looked_up = [s for s in seqs if self._source.get(s) == lookup_source]
-        drafted = [s for s in seqs if self._source.get(s) != lookup_source]
+        looked_up = [s for s in seqs if self._looked_up(s)]
+        drafted = [s for s in seqs if not self._looked_up(s)]
         proposals = self.lookup.propose(looked_up, num_drafts) if looked_up else {}
         if drafted:
             proposals.update(self.drafter.propose(drafted, num_drafts))
         return proposals
 
     def on_verified(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
-        if self._source.get(seq) != self.sources[0]:
+        if not self._looked_up(seq):
             self.drafter.on_verified(seq, proposal, num_accepted)
 
     def tokens_behind(self, seq: Sequence) -> int:
-        if self._source.get(seq) == self.sources[0]:
-            return 0
-        return self.drafter.tokens_behind(seq)
+        return 0 if self._looked_up(seq) else self.drafter.tokens_behind(seq)
 
     def observe_target_features(
         self, seq: Sequence, first_position: int, features: torch.Tensor
