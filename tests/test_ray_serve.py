@@ -6,6 +6,7 @@ replica killed mid-stream, /health and /metrics. Skipped where Ray Serve is not 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -21,6 +22,13 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from server.cli_serve import replica_arguments  # noqa: E402
 from server.ray_serve.app import ClusterPlan  # noqa: E402
+from server.ray_serve.cluster_env import (  # noqa: E402
+    CONTROL_LOOP_ENV,
+    CONTROL_LOOP_SECONDS,
+    HAPROXY_ENV,
+    PROXIES,
+    prepare_cluster_env,
+)
 from server.ray_serve.ingress import REPLICA_HEADER, merge_metrics  # noqa: E402
 from server.ray_serve.prefix_keys import (  # noqa: E402
     BLOCK_CHARS,
@@ -49,7 +57,7 @@ def test_a_conversation_shares_its_history_s_prefix_hashes():
 
 def test_replicas_get_the_serve_flags_but_not_the_cluster_s():
     argv = ["--replicas", "2", "--decoder", "ngram", "--port=9000", "--host", "0.0.0.0",
-            "--ray-address", "auto", "--max-tokens-limit", "5",
+            "--ray-address", "auto", "--max-tokens-limit", "5", "--ray-proxy", "haproxy",
             "--stream-interval", "4"]  # fmt: skip
     assert replica_arguments(argv) == ["--decoder", "ngram", "--max-tokens-limit", "5",
                                        "--stream-interval", "4"]  # fmt: skip
@@ -67,6 +75,30 @@ def test_replicas_get_the_serve_flags_but_not_the_cluster_s():
 def test_plans_that_cannot_run_are_refused(plan, message):
     with pytest.raises(ValueError, match=message):
         plan.check()
+
+
+def test_a_started_cluster_gets_the_proxy_and_a_slower_controller_loop(monkeypatch):
+    monkeypatch.setenv(HAPROXY_ENV, "1")  # Ray is imported here: it must already agree
+    monkeypatch.delenv(CONTROL_LOOP_ENV, raising=False)
+    prepare_cluster_env("haproxy", None)
+    assert os.environ[HAPROXY_ENV] == "1"
+    assert float(os.environ[CONTROL_LOOP_ENV]) == CONTROL_LOOP_SECONDS
+    monkeypatch.setenv(CONTROL_LOOP_ENV, "0.2")  # the user's own setting wins
+    prepare_cluster_env("haproxy", None)
+    assert os.environ[CONTROL_LOOP_ENV] == "0.2"
+
+
+def test_cluster_settings_that_cannot_apply_are_refused(monkeypatch):
+    with pytest.raises(ValueError, match="cluster this command starts"):
+        prepare_cluster_env("haproxy", "ray://head:10001")  # a joined cluster's own choice
+    with pytest.raises(ValueError, match="--ray-proxy"):
+        prepare_cluster_env("nginx", None)
+    monkeypatch.setenv(HAPROXY_ENV, "0")
+    with pytest.raises(RuntimeError, match="before Ray is imported"):
+        prepare_cluster_env("haproxy", None)  # this process imported Ray already
+    monkeypatch.delenv(CONTROL_LOOP_ENV, raising=False)
+    prepare_cluster_env("ray", "ray://head:10001")  # joined: nothing of ours to set
+    assert CONTROL_LOOP_ENV not in os.environ
 
 
 def test_plans_the_cluster_cannot_hold_are_refused():
@@ -181,18 +213,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_model_dir, tmp_path_factory):
-    """``specserve serve --replicas 2`` on the tiny chat model: a real local Ray cluster."""
+@pytest.fixture(scope="module", params=PROXIES)
+def cluster(request, tiny_chat_model_dir, tmp_path_factory):
+    """``specserve serve --replicas 2`` on the tiny chat model: a real local Ray cluster,
+    behind each of the proxies (every test below runs against both)."""
     port = _free_port()
     log = tmp_path_factory.mktemp("ray") / "serve.log"
     repo = Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "tooling.cli", "serve", "--replicas", "2",
                "--replica-cpus", "0.5", "--model", str(tiny_chat_model_dir),
-               "--served-model-name", "tiny", "--port", str(port)]  # fmt: skip
+               "--served-model-name", "tiny", "--port", str(port),
+               "--ray-proxy", request.param]  # fmt: skip
     env = {"PYTHONPATH": str(repo), "RAY_AUTH_MODE": "disabled"}
-    import os
-
     with log.open("w") as out:
         proc = subprocess.Popen(command, cwd=repo, stdout=out, stderr=subprocess.STDOUT,
                                 env=os.environ | env)  # fmt: skip

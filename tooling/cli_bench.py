@@ -78,7 +78,7 @@ def _cmd_bench_ray(args: argparse.Namespace) -> int:
         raise ValueError("--replicas and --streams must be at least 1")
     kill = None if args.kill == "none" else args.kill
     run_ray_bench(args.model, args.config, args.replicas, args.streams, args.max_tokens, kill,
-                  args.stream_interval)  # fmt: skip
+                  args.stream_interval, args.ray_proxy)  # fmt: skip
     return 0
 
 
@@ -265,4 +265,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                      "its Ray actor, or nothing")  # fmt: skip
     ray.add_argument("--stream-interval", type=at_least_one, default=1,
                      help="every server's --stream-interval (tokens a chunk gathers)")  # fmt: skip
+    ray.add_argument("--ray-proxy", choices=("ray", "haproxy"), default="ray",
+                     help="the cluster's HTTP proxy (specserve serve --ray-proxy)")  # fmt: skip
     ray.set_defaults(func=_cmd_bench_ray)

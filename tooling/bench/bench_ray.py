@@ -184,15 +184,16 @@ def _print_cpu(used: dict[str, tuple[dict[str, float], int]]) -> None:
 
 
 def run_ray_bench(model: str | None, config: str | None, replicas: int, streams: int,
-                  max_tokens: int, kill: str | None, stream_interval: int = 1) -> dict:  # fmt: skip
+                  max_tokens: int, kill: str | None, stream_interval: int = 1,
+                  proxy: str = "ray") -> dict:  # fmt: skip
     """Prints the comparison (and the kill's outcome); returns its numbers. Every server
-    runs with ``--stream-interval stream_interval``."""
+    runs with ``--stream-interval stream_interval``; the cluster with ``--ray-proxy proxy``."""
     cores = len(os.sched_getaffinity(0))
     cpus = max(cores / replicas, 0.5)
     threads = str(max(1, int(cpus)))  # what each replica's engine runs (ClusterPlan)
     log_dir = tempfile.mkdtemp(prefix="specserve-bench-ray-")
     print(f"{streams} streams of {max_tokens} tokens; {cores} cores; stream interval "
-          f"{stream_interval}; logs in {log_dir}")
+          f"{stream_interval}; Ray's proxy: {proxy}; logs in {log_dir}")
     print("| server | output tokens | wall s | tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms |")
     print("|---|---|---|---|---|---|")
     # Usage in every stream: the servers' own token counts, no tokenizer needed.
@@ -205,7 +206,7 @@ def run_ray_bench(model: str | None, config: str | None, replicas: int, streams:
         (f"{replicas} specserve serve, {threads} thread(s) each, no Ray",
          [["--threads", threads]] * replicas),
         (f"{replicas} replicas on Ray Serve",
-         [["--replicas", str(replicas), "--replica-cpus", f"{cpus:g}"]]),
+         [["--replicas", str(replicas), "--replica-cpus", f"{cpus:g}", "--ray-proxy", proxy]]),
     )  # fmt: skip
     for index, (name, servers) in enumerate(plans):
         urls, procs = [], []

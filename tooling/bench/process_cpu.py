@@ -45,7 +45,7 @@ def _processes() -> dict[int, _Process]:
 def role_of(pid: int, processes: dict[int, _Process]) -> str | None:
     """The role of a process in a specserve deployment, or None for anything else."""
     p = processes[pid]
-    if p.name.startswith("ray::ProxyActor"):
+    if p.name.startswith("ray::ProxyActor") or p.name == "haproxy":  # --ray-proxy haproxy
         return "Ray proxy"
     if p.name.startswith("ray::ServeRepli"):  # comm is cut to 15 characters
         return "ingress" if "specserve-ingress" in p.command else "replica actors"
