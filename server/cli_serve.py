@@ -55,6 +55,7 @@ def default_replica_cpus(args: argparse.Namespace) -> float:
 
 def _cmd_serve_replicas(args: argparse.Namespace) -> int:
     """``--replicas N`` / ``--ray-address``: the Ray Serve application (server/ray_serve/)."""
+    # Part of the Ray extra's package, loaded with --replicas only (it imports no Ray itself).
     from server.ray_serve.cluster_env import prepare_cluster_env
 
     try:
