@@ -11,6 +11,7 @@ from dataclasses import fields
 from server.cli_generate import add_model_arguments, engine_config_from_args
 from server.cors import add_cors_arguments, cors_from
 from server.limits import DESCRIPTIONS, RequestLimits
+from server.ray_serve.cluster_env import PROXIES, prepare_cluster_env
 
 API_KEYS_ENV = "SPECSERVE_API_KEYS"
 
@@ -55,9 +56,6 @@ def default_replica_cpus(args: argparse.Namespace) -> float:
 
 def _cmd_serve_replicas(args: argparse.Namespace) -> int:
     """``--replicas N`` / ``--ray-address``: the Ray Serve application (server/ray_serve/)."""
-    # Part of the Ray extra's package, loaded with --replicas only (it imports no Ray itself).
-    from server.ray_serve.cluster_env import prepare_cluster_env
-
     try:
         prepare_cluster_env(args.ray_proxy, args.ray_address)  # before Ray is imported
     except ValueError as exc:
@@ -203,7 +201,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     ray.add_argument("--routing", choices=("prefix", "pow2"), default="prefix",
                      help="prefix: to the replica holding the prompt's prefix unless its queue "
                      "is much longer; pow2: Ray Serve's power of two choices")  # fmt: skip
-    ray.add_argument("--ray-proxy", choices=("ray", "haproxy"), default="ray",
+    ray.add_argument("--ray-proxy", choices=PROXIES, default="ray",
                      help="the HTTP proxy of a cluster this command starts: ray (Ray Serve's "
                      "own) or haproxy (Ray Serve's high-throughput ingress: less CPU per "
                      "token; binds ports 8404, 9101 and 30000+ on every interface)")  # fmt: skip

@@ -6,6 +6,7 @@ import argparse
 
 from server.cli_generate import add_model_arguments, engine_config_from_args
 from server.cli_serve import at_least_one
+from server.ray_serve.cluster_env import PROXIES
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
@@ -265,6 +266,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                      "its Ray actor, or nothing")  # fmt: skip
     ray.add_argument("--stream-interval", type=at_least_one, default=1,
                      help="every server's --stream-interval (tokens a chunk gathers)")  # fmt: skip
-    ray.add_argument("--ray-proxy", choices=("ray", "haproxy"), default="ray",
+    ray.add_argument("--ray-proxy", choices=PROXIES, default="ray",
                      help="the cluster's HTTP proxy (specserve serve --ray-proxy)")  # fmt: skip
     ray.set_defaults(func=_cmd_bench_ray)
