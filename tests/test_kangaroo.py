@@ -49,6 +49,64 @@ def test_draft_model_equals_the_adapters_training_form(tiny_model_dir, drafter_d
     torch.testing.assert_close(logits, expected, atol=2e-4, rtol=1e-4)
 
 
+def test_the_adapter_catches_up_from_captured_shallow_states(tiny_model_dir, drafter_dir):
+    """Tokens the adapter has not read enter it as the shallow hidden states the target's
+    steps captured (the shallow layers do not run again): the logits equal reading them all."""
+    llm = kangaroo_llm(tiny_model_dir, drafter_dir, quantization="none")
+    runner = llm.engine.speculator.decoders["kangaroo"].drafter.runner
+    tokens, m = PROMPTS[3], 20
+    whole = runner.forward([ForwardItem(tokens, 0, [0, 1], 3)]).logits
+    # The target's shallow layers over the first m tokens in other blocks: their K/V in the
+    # target's cache, their hidden states as a step captures them; the adapter sees neither.
+    batch = runner.flatten([ForwardItem(tokens[:m], 0, [2, 3], 0)])
+    captured = runner.model(
+        batch.input_ids, batch.positions, runner.kv_cache.layers[: runner.exit_layer],
+        batch.attn, hidden_layer=runner.exit_layer - 1, compute_logits=False, all_hidden=True,
+    ).hidden_states  # fmt: skip
+    rest = ForwardItem(tokens[m:], m, [2, 3], 3)
+    caught_up = runner.forward([rest], catch_up=[captured]).logits
+    torch.testing.assert_close(caught_up, whole, atol=2e-4, rtol=1e-4)
+    behind = runner.forward([ForwardItem(tokens[m:], m, [4, 5], 3)]).logits  # never read
+    assert not torch.allclose(behind, whole, atol=1e-2)
+
+
+def first_drafts(llm: LLM, draft_every: int) -> dict[tuple[int, int], int]:
+    """{(prompt, position of the decode token): first draft} of greedy generation with the
+    drafter asked only every ``draft_every``-th step (the steps between run plain)."""
+    decoder = llm.engine.speculator.decoders["kangaroo"]
+    plan, propose, steps, drafts = decoder.plan, decoder.propose, [0], {}
+
+    def some_steps(seqs, max_drafts):
+        steps[0] += 1
+        return plan(seqs, max_drafts) if steps[0] % draft_every == 0 else {}
+
+    def recording(seqs, num_drafts):
+        proposals = propose(seqs, num_drafts)
+        for seq, proposal in proposals.items():
+            key = (PROMPTS.index(seq.prompt_token_ids), seq.num_tokens - 1)
+            drafts[key] = proposal.token_ids[0]
+        return proposals
+
+    decoder.plan, decoder.propose = some_steps, recording
+    outputs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == [
+        o.token_ids for o in LLM(model=str(llm.engine.config.model)).generate(PROMPTS, GREEDY)
+    ]
+    return drafts
+
+
+def test_drafts_after_a_stretch_without_drafting_equal_drafting_every_step(
+    tiny_model_dir, tmp_path
+):
+    # A loud attention sublayer: the drafts depend on the adapter's K/V of earlier tokens.
+    drafter = save_kangaroo_drafter(tiny_model_dir, tmp_path / "loud", output_scale=1.0)
+    every = first_drafts(kangaroo_llm(tiny_model_dir, drafter, quantization="none"), 1)
+    some = first_drafts(kangaroo_llm(tiny_model_dir, drafter, quantization="none"), 3)
+    both = set(every) & set(some)
+    assert len(both) >= 8, both  # the stretches between drafting steps were caught up on
+    assert {key: some[key] for key in both} == {key: every[key] for key in both}
+
+
 def test_greedy_equals_autoregressive_batched_preempted_and_aborted(tiny_model_dir, drafter_dir):
     check_greedy_identity_batched_preempted_aborted(
         tiny_model_dir, lambda **overrides: kangaroo_llm(tiny_model_dir, drafter_dir, **overrides)

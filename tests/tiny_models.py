@@ -148,11 +148,16 @@ def save_eagle3_drafter(
 
 
 def save_kangaroo_drafter(
-    model_dir: Path, path: Path, exit_layer: int = 1, seed: int = 0, draft_vocab=None
+    model_dir: Path,
+    path: Path,
+    exit_layer: int = 1,
+    seed: int = 0,
+    draft_vocab=None,
+    output_scale: float = 0.05,
 ) -> Path:
     """A Kangaroo adapter for the tiny model after its first ``exit_layer`` layers: random
-    weights (its output projection too, so the attention matters), the whole vocabulary as
-    draft vocabulary unless given."""
+    weights (its output projection too, of standard deviation ``output_scale``, so the
+    attention matters), the whole vocabulary as draft vocabulary unless given."""
     import json
 
     from engine.decoders.drafter_files import TrainedDrafter
@@ -166,7 +171,7 @@ def save_kangaroo_drafter(
         hidden, heads, kv_heads, hidden // heads, config["rms_norm_eps"], exit_layer
     )
     with torch.no_grad():
-        adapter.o.weight.normal_(0, 0.05)
+        adapter.o.weight.normal_(0, output_scale)
     target = {"hidden_size": hidden, "vocab_size": vocab, "num_layers": config["num_hidden_layers"]}
     vocabulary = torch.arange(vocab) if draft_vocab is None else draft_vocab
     TrainedDrafter("kangaroo", adapter, vocabulary, [[0.5, 0.2]], target, {"test": True}).save(path)

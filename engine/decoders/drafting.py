@@ -189,6 +189,15 @@ class ModelDrafter:
         the first position it has no K/V for; returns the raw logits of the last
         ``num_logits[seq]`` positions of each, sequence after sequence (with ``compact``,
         over the draft vocabulary's columns: the runner must support it)."""
+        items = self.read_items(seqs, chains, num_logits)
+        options = {**self.model_options, "compact": True} if compact else self.model_options
+        return self.runner.run(items, **options)
+
+    def read_items(
+        self, seqs: list[Sequence], chains: dict[Sequence, list[int]], num_logits
+    ) -> list[ForwardItem]:
+        """The draft model's forward items for ``forward``: each sequence's tokens from its
+        first one without draft K/V, which they then count as read."""
         items = []
         for s in seqs:
             state = self._states[s]
@@ -196,8 +205,7 @@ class ModelDrafter:
             blocks = s.cache_state().block_table
             items.append(ForwardItem(tokens, state.num_cached, blocks, num_logits[s]))
             state.num_cached += len(tokens)
-        options = {**self.model_options, "compact": True} if compact else self.model_options
-        return self.runner.run(items, **options)
+        return items
 
     def rewind(self, seq: Sequence, num_valid: int) -> None:
         """Only the first ``num_valid`` tokens of ``seq`` (with its chain) are what the draft

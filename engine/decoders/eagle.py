@@ -36,6 +36,7 @@ from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle_tree import draft_tree
+from engine.decoders.feature_log import FeatureLog
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
@@ -119,66 +120,6 @@ class EagleNetwork(nn.Module):
         return self.layer().finish(x, attended)
 
 
-class _FeatureLog:
-    """A sequence's target features the drafter has not consumed for good yet, and its newest
-    guess (the output of the last entry it computed).
-
-    Every step appends the step's features, drafting or not (a step that drafts nothing is
-    the common case under load), so appending is the cheap part: rows go into a buffer that
-    doubles when full, and the final norm is applied only to the rows an entry reads.
-    """
-
-    def __init__(self, start: int, features: torch.Tensor, normalize):
-        self.start = start  # position of the first kept feature
-        self._buffer = features.detach().clone()
-        self._head, self._count = 0, len(features)
-        self._normalize = normalize  # the target's final norm
-        self.guess: torch.Tensor | None = None
-        self.guess_position = -1
-
-    @property
-    def end(self) -> int:
-        """One past the last position with a feature."""
-        return self.start + self._count
-
-    @property
-    def features(self) -> torch.Tensor:
-        """[m, d] the kept features, final-normed (positions start .. end - 1)."""
-        return self._normalize(self._rows(0, self._count))
-
-    def _rows(self, a: int, b: int) -> torch.Tensor:
-        return self._buffer[self._head + a : self._head + b]
-
-    def append(self, features: torch.Tensor) -> None:
-        n = len(features)
-        if self._head + self._count + n > len(self._buffer):
-            grown = self._buffer.new_empty(max(64, 2 * (self._count + n)), self._buffer.shape[1])
-            grown[: self._count] = self._rows(0, self._count)
-            self._buffer, self._head = grown, 0
-        self._buffer[self._head + self._count : self._head + self._count + n] = features
-        self._count += n
-
-    def drop_before(self, position: int) -> None:
-        """Forget the features of positions before ``position``."""
-        drop = min(max(0, position - self.start), self._count)
-        self._head, self._count = self._head + drop, self._count - drop
-        self.start += drop
-
-    def before(self, first: int, count: int, width: int) -> torch.Tensor:
-        """[count, d] the features entries first .. first + count - 1 read: position p - 1's
-        target feature where known, else the guess made there, else zeros."""
-        lo, hi = first - 1, first - 1 + count  # feature positions wanted: [lo, hi)
-        if self.start <= lo and hi <= self.end:  # the usual case: all known, nothing to merge
-            return self._normalize(self._rows(lo - self.start, hi - self.start))
-        out = torch.zeros(count, width, dtype=self._buffer.dtype)
-        if self.guess is not None and lo <= self.guess_position < hi:
-            out[self.guess_position - lo] = self.guess
-        a, b = max(lo, self.start), min(hi, self.end)
-        if a < b:
-            out[a - lo : b - lo] = self._normalize(self._rows(a - self.start, b - self.start))
-        return out
-
-
 class EagleDrafter(ModelDrafter):
     """Chains from the EAGLE layer, through ``ModelDrafter``'s drafting loop (sampling, q,
     windows); this class supplies the forward pass and the feature bookkeeping."""
@@ -227,7 +168,7 @@ class EagleDrafter(ModelDrafter):
             1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim,
             self.model.dtype, self.device,
         )  # fmt: skip
-        self._logs: weakref.WeakKeyDictionary[Sequence, _FeatureLog] = weakref.WeakKeyDictionary()
+        self._logs: weakref.WeakKeyDictionary[Sequence, FeatureLog] = weakref.WeakKeyDictionary()
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
@@ -236,7 +177,7 @@ class EagleDrafter(ModelDrafter):
         log = self._logs.get(seq)
         if log is None or first_position != log.end:
             # New, or recomputed after preemption: start over from these positions.
-            self._logs[seq] = _FeatureLog(first_position, features, self._final_norm)
+            self._logs[seq] = FeatureLog(first_position, features, self._final_norm)
             return
         state = self._states.get(seq)
         if state is not None:

@@ -7,16 +7,22 @@ and a norm, read out through the target's LM head cut to the draft vocabulary
 probability falls below ``exit_threshold`` (Kangaroo's eta): its K/V are already computed for
 nothing more than the shallow layers, and a doubtful draft is seldom accepted.
 
-The draft runs as a separate draft model over the target's block ids with its own small cache
-(the shallow layers' K/V and the adapter's: ``exit_layer + 1`` of the target's layers' worth),
-so it never writes the target's cache for verified positions, and it catches up on accepted
-tokens lazily (``ModelDrafter``'s own-cache mode). The shallow layers run as one C++ stack
+The shallow layers' K/V of a verified token are the target's own (the same weights read the
+same tokens), so the draft reads them from the target's cache and writes its tokens' into the
+lookahead slots the scheduler granted, which the verification then overwrites (as a self draft
+does). Only the adapter keeps a cache of its own (one layer's worth over the target's block
+ids). It catches up on the tokens it has not read (a new sequence's prompt, a stretch of steps
+that did not draft) from the shallow hidden states the target's own steps captured, not by
+running the shallow layers again: a stretch without drafts costs the adapter's products for
+its tokens and nothing more (``KangarooDrafter``). The shallow layers run as one C++ stack
 where the target's do (``KangarooRunner``). Drafts are drawn from its processed q (the
 argmax for greedy requests): verification is the general rejection rule.
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,14 +32,16 @@ from engine.decoders.base import TargetContext
 from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
+from engine.decoders.feature_log import FeatureLog
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.kv_cache import KVCache
-from engine.model_runner import ModelRunner
+from engine.model_runner import ForwardItem, ModelRunner
 from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
 from engine.models.rope import rotate
 
 if TYPE_CHECKING:
     from engine.config import DecoderConfig
+    from engine.sequence import Sequence
 
 
 class KangarooAdapter(nn.Module):
@@ -109,10 +117,11 @@ class DraftVocabularyHead(nn.Module):
 
 
 class KangarooRunner(ModelRunner):
-    """The draft model's forward pass over its own cache (``exit_layer + 1`` layers): the
-    target's first layers as a model of their own (so they run as one C++ stack where the
-    target's do), then the adapter's attention sublayer on every row (its K/V for every new
-    token), then its output norm and the draft-vocabulary head on the rows that want logits."""
+    """The draft model's forward pass: the target's first layers as a model of their own (so
+    they run as one C++ stack where the target's do) over the target's cache, then the
+    adapter's attention sublayer over a cache of its own (its K/V for every row it reads:
+    ``catch_up`` rows first, then the new tokens), then its output norm and the
+    draft-vocabulary head on the rows that want logits."""
 
     def __init__(self, adapter: KangarooAdapter, draft_vocab, target, quantization: str):
         model = target.model
@@ -133,11 +142,12 @@ class KangarooRunner(ModelRunner):
             model.final_norm, model.lm_head,
         )  # fmt: skip
         cache = target.kv_cache
-        own_cache = KVCache(
-            self.exit_layer + 1, cache.num_blocks, cache.block_size, arch.num_kv_heads,
-            arch.head_dim, dtype, device,
+        super().__init__(shallow, cache, device)
+        self.graphs = None  # its forward is its own: the target's graphs do not apply
+        self.adapter_cache = KVCache(
+            1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim, dtype,
+            device,
         )  # fmt: skip
-        super().__init__(shallow, own_cache, device)
         # No MLP: the adapter is an attention sublayer (``mlp=False`` below), so the layer
         # has neither its norm nor its weights.
         self.adapter = DecoderLayer(
@@ -152,18 +162,20 @@ class KangarooRunner(ModelRunner):
         )
 
     @torch.inference_mode()
-    def forward(self, items, compact: bool = False, **model_options) -> ModelOutput:
-        """``compact``: logits over the draft vocabulary's columns only (``ModelDrafter``)."""
+    def forward(self, items, compact: bool = False, catch_up=None, **model_options) -> ModelOutput:
+        """``compact``: logits over the draft vocabulary's columns only (``ModelDrafter``).
+        ``catch_up[i]`` (None or [m, d]): the shallow hidden states of the m positions just
+        before item i's tokens, which the adapter has not read yet."""
         batch = self.flatten(items)
-        layers = self.kv_cache.layers
         shallow = self.model(
-            batch.input_ids, batch.positions, layers[: self.exit_layer], batch.attn,
-            hidden_layer=self.exit_layer - 1, compute_logits=False, all_hidden=True,
-        )  # fmt: skip
+            batch.input_ids, batch.positions, self.kv_cache.layers[: self.exit_layer],
+            batch.attn, hidden_layer=self.exit_layer - 1, compute_logits=False,
+            all_hidden=True,
+        ).hidden_states  # fmt: skip
+        if catch_up is not None and any(rows is not None for rows in catch_up):
+            shallow, batch = self._after_catch_up(items, shallow, catch_up)
         rope = self.model.rope.lookup(batch.positions)
-        hidden = self.adapter(
-            shallow.hidden_states, rope, layers[self.exit_layer], batch.attn, mlp=False
-        )
+        hidden = self.adapter(shallow, rope, self.adapter_cache.layers[0], batch.attn, mlp=False)
         rows = hidden.index_select(0, batch.logits_rows)
         eps = self.model.arch.rms_norm_eps
         normed = rms_norm(rows, self.output_norm, eps)
@@ -171,10 +183,120 @@ class KangarooRunner(ModelRunner):
             logits=self.head.readout(normed).float() if compact else self.head(normed)
         )
 
+    def _after_catch_up(self, items, shallow: torch.Tensor, catch_up):
+        """The adapter's rows and batch: each item's catch-up rows, then its own."""
+        adapter_items, pieces, row = [], [], 0
+        for item, rows in zip(items, catch_up, strict=True):
+            n = len(item.token_ids)
+            own, row = shallow[row : row + n], row + n
+            if rows is None or len(rows) == 0:
+                adapter_items.append(item)
+                pieces.append(own)
+                continue
+            m = len(rows)
+            # Token ids are not read past the shallow layers: the positions and the
+            # attention plan over the adapter's cache are what these rows need.
+            adapter_items.append(ForwardItem(
+                [0] * m + list(item.token_ids), item.num_cached - m, item.block_table,
+                item.num_logits,
+            ))  # fmt: skip
+            pieces += [rows.to(device=own.device, dtype=own.dtype), own]
+        return torch.cat(pieces), self.flatten(adapter_items)
+
+
+@dataclass
+class _AdapterState:
+    read: int  # leading positions whose adapter K/V are valid
+    cache_epoch: int  # the sequence's cache epoch when ``read`` was set
+
+
+class KangarooDrafter(ModelDrafter):
+    """``ModelDrafter``'s chains over the shallow layers in the target's cache, and the
+    adapter's bookkeeping: how far its own cache has read each sequence, and the captured
+    shallow hidden states of the tokens after that (a ``FeatureLog``)."""
+
+    def __init__(self, runner: KangarooRunner, eos_token_ids, window):
+        super().__init__(runner, eos_token_ids, window, shares_target_cache=True)
+        self._adapter: weakref.WeakKeyDictionary[Sequence, _AdapterState] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._logs: weakref.WeakKeyDictionary[Sequence, FeatureLog] = weakref.WeakKeyDictionary()
+
+    def has_features(self, seq: Sequence) -> bool:
+        return seq in self._logs
+
+    def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
+        log = self._logs.get(seq)
+        if log is None or first_position != log.end:
+            # New, or recomputed after preemption: start over from these positions.
+            self._logs[seq] = FeatureLog(first_position, features, _as_captured)
+            return
+        adapter = self._adapter.get(seq)
+        if adapter is not None:
+            log.drop_before(adapter.read)  # the adapter has read those for good
+        log.append(features.detach())
+
+    def begin_round(self, seq: Sequence) -> None:
+        super().begin_round(seq)
+        cache = seq.cache_state()
+        adapter = self._adapter.get(seq)
+        if adapter is None or adapter.cache_epoch != cache.epoch:
+            # New, or preempted since (its blocks were freed): nothing of it is read.
+            adapter = self._adapter[seq] = _AdapterState(0, cache.epoch)
+        adapter.read = min(adapter.read, cache.num_cached)
+        log = self._logs.get(seq)
+        if log is not None and adapter.read < log.start:
+            # Below the first captured position, trust the entries already there (a
+            # prefix-cache hit: computed by the request that filled those blocks).
+            adapter.read = min(log.start, cache.num_cached)
+
+    def forward(self, seqs, chains, num_logits, compact: bool = False) -> torch.Tensor:
+        width = self.runner.model.arch.hidden_size
+        catch_up = []
+        for s in seqs:
+            read, start = self._adapter[s].read, self._states[s].num_cached
+            log = self._logs.get(s)
+            if read >= start:
+                catch_up.append(None)
+            elif log is None:  # never captured (cannot happen once planned): a draft's guess
+                catch_up.append(torch.zeros(start - read, width))
+            else:
+                catch_up.append(log.at(read, start - read, width))
+        items = self.read_items(seqs, chains, num_logits)
+        for s in seqs:
+            self._adapter[s].read = self._states[s].num_cached
+        options = {**self.model_options, "compact": compact, "catch_up": catch_up}
+        return self.runner.run(items, **options)
+
+    def on_verified(self, seq: Sequence, proposal, num_accepted: int) -> None:
+        """The adapter's entries of the decode token and the accepted drafts stand (it read
+        all drafts but the last)."""
+        super().on_verified(seq, proposal, num_accepted)
+        adapter, state = self._adapter.get(seq), self._states.get(seq)
+        if adapter is not None and state is not None:
+            adapter.read = min(adapter.read, state.start + 1 + num_accepted)
+
+
+def _as_captured(features: torch.Tensor) -> torch.Tensor:
+    """The adapter reads the shallow hidden states as the target's step left them."""
+    return features
+
 
 class KangarooDecoder(ModelDraftDecoder):
-    def __init__(self, drafter: ModelDrafter):
+    # The adapter catches up on the shallow exit's hidden states of the target's steps.
+    reads_target_hidden = True
+
+    def __init__(self, drafter: KangarooDrafter):
         super().__init__("kangaroo", drafter)
+
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        return (self.drafter.runner.exit_layer - 1,)
+
+    def plan(self, seqs: list[Sequence], max_drafts: dict[Sequence, int]) -> dict[Sequence, int]:
+        return {s: k for s, k in max_drafts.items() if k > 0 and self.drafter.has_features(s)}
+
+    def observe_target_features(self, seq, first_position: int, features) -> None:
+        self.drafter.observe(seq, first_position, features)
 
 
 class ConfidenceExit:
@@ -198,7 +320,7 @@ def build_kangaroo_decoder(config: DecoderConfig, target: TargetContext) -> Kang
     drafter = load_drafter(spec.drafter, "kangaroo", KangarooAdapter, target.model)
     runner = KangarooRunner(drafter.network, drafter.draft_vocab, target, spec.quantization)
     window = ConfidenceExit(spec.exit_threshold)
-    model_drafter = ModelDrafter(runner, target.eos_token_ids, window, shares_target_cache=False)
+    model_drafter = KangarooDrafter(runner, target.eos_token_ids, window)
     # The head reads out the draft vocabulary alone: unprocessed steps draft over its columns.
     model_drafter.set_draft_vocabulary(runner.head.draft_vocab, runner.head.vocab_size)
     return KangarooDecoder(model_drafter)

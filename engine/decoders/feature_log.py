@@ -1,0 +1,74 @@
+"""A sequence's target features that a drafter has not consumed for good yet.
+
+Drafters that read the target's hidden states (EAGLE's last-layer features, Kangaroo's
+shallow exit) get every step's, drafting or not, and read them when they next draft: EAGLE
+an entry's previous feature, Kangaroo the shallow hidden states of the tokens its adapter has
+not read yet. Appending is the common, cheap part (a buffer that doubles when full); the
+normalization a drafter wants is applied only to the rows it reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class FeatureLog:
+    """A sequence's kept features (positions start .. end - 1) and, for EAGLE, its newest
+    guess (the output of the last entry it computed)."""
+
+    def __init__(self, start: int, features: torch.Tensor, normalize):
+        self.start = start  # position of the first kept feature
+        self._buffer = features.detach().clone()
+        self._head, self._count = 0, len(features)
+        self._normalize = normalize  # what the drafter reads them through (EAGLE: final norm)
+        self.guess: torch.Tensor | None = None
+        self.guess_position = -1
+
+    @property
+    def end(self) -> int:
+        """One past the last position with a feature."""
+        return self.start + self._count
+
+    @property
+    def features(self) -> torch.Tensor:
+        """[m, d] the kept features, normalized (positions start .. end - 1)."""
+        return self._normalize(self._rows(0, self._count))
+
+    def _rows(self, a: int, b: int) -> torch.Tensor:
+        return self._buffer[self._head + a : self._head + b]
+
+    def append(self, features: torch.Tensor) -> None:
+        n = len(features)
+        if self._head + self._count + n > len(self._buffer):
+            grown = self._buffer.new_empty(max(64, 2 * (self._count + n)), self._buffer.shape[1])
+            grown[: self._count] = self._rows(0, self._count)
+            self._buffer, self._head = grown, 0
+        self._buffer[self._head + self._count : self._head + self._count + n] = features
+        self._count += n
+
+    def drop_before(self, position: int) -> None:
+        """Forget the features of positions before ``position``."""
+        drop = min(max(0, position - self.start), self._count)
+        self._head, self._count = self._head + drop, self._count - drop
+        self.start += drop
+
+    def before(self, first: int, count: int, width: int) -> torch.Tensor:
+        """[count, d] the features entries first .. first + count - 1 read: position p - 1's
+        target feature where known, else the guess made there, else zeros."""
+        lo, hi = first - 1, first - 1 + count  # feature positions wanted: [lo, hi)
+        if self.start <= lo and hi <= self.end:  # the usual case: all known, nothing to merge
+            return self._normalize(self._rows(lo - self.start, hi - self.start))
+        out = torch.zeros(count, width, dtype=self._buffer.dtype)
+        if self.guess is not None and lo <= self.guess_position < hi:
+            out[self.guess_position - lo] = self.guess
+        a, b = max(lo, self.start), min(hi, self.end)
+        if a < b:
+            out[a - lo : b - lo] = self._normalize(self._rows(a - self.start, b - self.start))
+        return out
+
+    def at(self, first: int, count: int, width: int) -> torch.Tensor:
+        """[count, d] the features of positions first .. first + count - 1 (zeros where
+        unknown; a guess never stands in for them)."""
+        if self.guess is not None:
+            raise ValueError("a log with guesses reads entries' previous features: before()")
+        return self.before(first + 1, count, width)
