@@ -24,7 +24,6 @@ parameter.
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,7 +35,7 @@ from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle_tree import draft_tree
-from engine.decoders.feature_log import FeatureLog
+from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
 from engine.kv_cache import KVCache
@@ -168,22 +167,15 @@ class EagleDrafter(ModelDrafter):
             1, cache.num_blocks, cache.block_size, arch.num_kv_heads, arch.head_dim,
             self.model.dtype, self.device,
         )  # fmt: skip
-        self._logs: weakref.WeakKeyDictionary[Sequence, FeatureLog] = weakref.WeakKeyDictionary()
+        self._logs = SequenceFeatureLogs(self._final_norm)
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
 
     def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
-        log = self._logs.get(seq)
-        if log is None or first_position != log.end:
-            # New, or recomputed after preemption: start over from these positions.
-            self._logs[seq] = FeatureLog(first_position, features, self._final_norm)
-            return
         state = self._states.get(seq)
-        if state is not None:
-            # Entries from num_cached on will be (re)computed and read features from one before.
-            log.drop_before(state.num_cached - 1)
-        log.append(features.detach())
+        # Entries from num_cached on will be (re)computed and read features from one before.
+        self._logs.observe(seq, first_position, features, state and state.num_cached - 1)
 
     def _final_norm(self, features: torch.Tensor) -> torch.Tensor:
         return rms_norm_rows(features, self.model.final_norm, self.model.arch.rms_norm_eps)

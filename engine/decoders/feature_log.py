@@ -9,7 +9,13 @@ normalization a drafter wants is applied only to the rows it reads.
 
 from __future__ import annotations
 
+import weakref
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from engine.sequence import Sequence
 
 
 class FeatureLog:
@@ -72,3 +78,34 @@ class FeatureLog:
         if self.guess is not None:
             raise ValueError("a log with guesses reads entries' previous features: before()")
         return self.before(first + 1, count, width)
+
+
+class SequenceFeatureLogs:
+    """Each sequence's ``FeatureLog`` (held weakly: a finished sequence's goes with it)."""
+
+    def __init__(self, normalize):
+        self._normalize = normalize
+        self._logs: weakref.WeakKeyDictionary[Sequence, FeatureLog] = weakref.WeakKeyDictionary()
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._logs
+
+    def __getitem__(self, seq: Sequence) -> FeatureLog:
+        return self._logs[seq]
+
+    def get(self, seq: Sequence) -> FeatureLog | None:
+        return self._logs.get(seq)
+
+    def observe(
+        self, seq: Sequence, first_position: int, features: torch.Tensor, needed_from
+    ) -> None:
+        """A step's features of positions ``first_position`` on; ``needed_from`` (None: all):
+        the first position the drafter will still read, the ones before it are dropped."""
+        log = self._logs.get(seq)
+        if log is None or first_position != log.end:
+            # New, or recomputed after preemption: start over from these positions.
+            self._logs[seq] = FeatureLog(first_position, features, self._normalize)
+            return
+        if needed_from is not None:
+            log.drop_before(needed_from)
+        log.append(features.detach())

@@ -32,7 +32,7 @@ from engine.decoders.base import TargetContext
 from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
-from engine.decoders.feature_log import FeatureLog
+from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.kv_cache import KVCache
 from engine.model_runner import ForwardItem, ModelRunner
@@ -220,21 +220,14 @@ class KangarooDrafter(ModelDrafter):
         self._adapter: weakref.WeakKeyDictionary[Sequence, _AdapterState] = (
             weakref.WeakKeyDictionary()
         )
-        self._logs: weakref.WeakKeyDictionary[Sequence, FeatureLog] = weakref.WeakKeyDictionary()
+        self._logs = SequenceFeatureLogs(_as_captured)
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
 
     def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
-        log = self._logs.get(seq)
-        if log is None or first_position != log.end:
-            # New, or recomputed after preemption: start over from these positions.
-            self._logs[seq] = FeatureLog(first_position, features, _as_captured)
-            return
-        adapter = self._adapter.get(seq)
-        if adapter is not None:
-            log.drop_before(adapter.read)  # the adapter has read those for good
-        log.append(features.detach())
+        adapter = self._adapter.get(seq)  # it has read the positions before adapter.read
+        self._logs.observe(seq, first_position, features, adapter and adapter.read)
 
     def begin_round(self, seq: Sequence) -> None:
         super().begin_round(seq)
