@@ -64,15 +64,17 @@ def test_the_adapter_catches_up_from_captured_shallow_states(tiny_model_dir, dra
         batch.attn, hidden_layer=runner.exit_layer - 1, compute_logits=False, all_hidden=True,
     ).hidden_states  # fmt: skip
     rest = ForwardItem(tokens[m:], m, [2, 3], 3)
+    # Without the catch-up the adapter reads entries it never wrote: a wrong reading.
+    behind = runner.forward([rest]).logits
+    assert not torch.allclose(behind, whole, atol=1e-2)
     caught_up = runner.forward([rest], catch_up=[captured]).logits
     torch.testing.assert_close(caught_up, whole, atol=2e-4, rtol=1e-4)
-    behind = runner.forward([ForwardItem(tokens[m:], m, [4, 5], 3)]).logits  # never read
-    assert not torch.allclose(behind, whole, atol=1e-2)
 
 
-def first_drafts(llm: LLM, draft_every: int) -> dict[tuple[int, int], int]:
+def first_drafts(llm: LLM, draft_every: int, behind: list[int]) -> dict[tuple[int, int], int]:
     """{(prompt, position of the decode token): first draft} of greedy generation with the
-    drafter asked only every ``draft_every``-th step (the steps between run plain)."""
+    drafter asked only every ``draft_every``-th step (the steps between run plain); each
+    drafting sequence's ``tokens_behind`` goes into ``behind``."""
     decoder = llm.engine.speculator.decoders["kangaroo"]
     plan, propose, steps, drafts = decoder.plan, decoder.propose, [0], {}
 
@@ -81,6 +83,7 @@ def first_drafts(llm: LLM, draft_every: int) -> dict[tuple[int, int], int]:
         return plan(seqs, max_drafts) if steps[0] % draft_every == 0 else {}
 
     def recording(seqs, num_drafts):
+        behind.extend(decoder.tokens_behind(seq) for seq in seqs)
         proposals = propose(seqs, num_drafts)
         for seq, proposal in proposals.items():
             key = (PROMPTS.index(seq.prompt_token_ids), seq.num_tokens - 1)
@@ -100,11 +103,21 @@ def test_drafts_after_a_stretch_without_drafting_equal_drafting_every_step(
 ):
     # A loud attention sublayer: the drafts depend on the adapter's K/V of earlier tokens.
     drafter = save_kangaroo_drafter(tiny_model_dir, tmp_path / "loud", output_scale=1.0)
-    every = first_drafts(kangaroo_llm(tiny_model_dir, drafter, quantization="none"), 1)
-    some = first_drafts(kangaroo_llm(tiny_model_dir, drafter, quantization="none"), 3)
+    behind_every, behind_some = [], []
+
+    def llm() -> LLM:
+        return kangaroo_llm(tiny_model_dir, drafter, quantization="none")
+
+    every = first_drafts(llm(), 1, behind_every)
+    some = first_drafts(llm(), 3, behind_some)
     both = set(every) & set(some)
     assert len(both) >= 8, both  # the stretches between drafting steps were caught up on
     assert {key: some[key] for key in both} == {key: every[key] for key in both}
+    # The adapter's backlog is what the policy leaves unpriced: the prompt on a first draft,
+    # then one token a round when drafting every step, a stretch's tokens otherwise.
+    shortest_prompt = min(map(len, PROMPTS))
+    assert all(b == 1 or b >= shortest_prompt for b in behind_every), behind_every
+    assert any(1 < b < shortest_prompt for b in behind_some), behind_some
 
 
 def test_greedy_equals_autoregressive_batched_preempted_and_aborted(tiny_model_dir, drafter_dir):

@@ -226,22 +226,36 @@ class KangarooDrafter(ModelDrafter):
         return seq in self._logs
 
     def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
-        adapter = self._adapter.get(seq)  # it has read the positions before adapter.read
-        self._logs.observe(seq, first_position, features, adapter and adapter.read)
+        # The adapter has read the positions before this for good; after a preemption none
+        # (a read position of the old epoch would drop the recomputed prompt's rows).
+        self._logs.observe(seq, first_position, features, self._valid_read(seq))
 
-    def begin_round(self, seq: Sequence) -> None:
-        super().begin_round(seq)
+    def _valid_read(self, seq: Sequence) -> int:
+        """Leading positions of ``seq`` whose adapter K/V are valid now (read-only)."""
         cache = seq.cache_state()
         adapter = self._adapter.get(seq)
         if adapter is None or adapter.cache_epoch != cache.epoch:
-            # New, or preempted since (its blocks were freed): nothing of it is read.
-            adapter = self._adapter[seq] = _AdapterState(0, cache.epoch)
-        adapter.read = min(adapter.read, cache.num_cached)
+            read = 0  # new, or preempted since (its blocks were freed): nothing of it is read
+        else:
+            read = min(adapter.read, cache.num_cached)
         log = self._logs.get(seq)
-        if log is not None and adapter.read < log.start:
-            # Below the first captured position, trust the entries already there (a
-            # prefix-cache hit: computed by the request that filled those blocks).
-            adapter.read = min(log.start, cache.num_cached)
+        if log is not None and read < log.start:
+            # Below the first captured position (a prefix-cache hit: the target computed
+            # nothing there) no features exist: the entries already there are trusted, as
+            # EAGLE trusts its own. They may be stale (another request's, or never drafted):
+            # the drafts lose accuracy, never exactness.
+            read = min(log.start, cache.num_cached)
+        return read
+
+    def tokens_behind(self, seq: Sequence) -> int:
+        """The adapter's backlog (the shallow layers, in the target's cache, have none): what
+        the policy must not price as drafting (``Speculator._proposals_of``)."""
+        return max(0, seq.num_tokens - self._valid_read(seq))
+
+    def begin_round(self, seq: Sequence) -> None:
+        super().begin_round(seq)
+        read = self._valid_read(seq)
+        self._adapter[seq] = _AdapterState(read, seq.cache_state().epoch)
 
     def forward(self, seqs, chains, num_logits, compact: bool = False) -> torch.Tensor:
         width = self.runner.model.arch.hidden_size
@@ -251,7 +265,7 @@ class KangarooDrafter(ModelDrafter):
             log = self._logs.get(s)
             if read >= start:
                 catch_up.append(None)
-            elif log is None:  # never captured (cannot happen once planned): a draft's guess
+            elif log is None:  # never captured (cannot happen once planned): zeros
                 catch_up.append(torch.zeros(start - read, width))
             else:
                 catch_up.append(log.at(read, start - read, width))
