@@ -22,7 +22,7 @@ argmax for greedy requests): verification is the general rejection rule.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,7 +35,7 @@ from engine.decoders.drafting import ModelDrafter
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.kv_cache import KVCache
-from engine.model_runner import ForwardItem, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
 from engine.models.rope import rotate
 
@@ -196,10 +196,8 @@ class KangarooRunner(ModelRunner):
             m = len(rows)
             # Token ids are not read past the shallow layers: the positions and the
             # attention plan over the adapter's cache are what these rows need.
-            adapter_items.append(ForwardItem(
-                [0] * m + list(item.token_ids), item.num_cached - m, item.block_table,
-                item.num_logits,
-            ))  # fmt: skip
+            earlier = [0] * m + list(item.token_ids)
+            adapter_items.append(replace(item, token_ids=earlier, num_cached=item.num_cached - m))
             pieces += [rows.to(device=own.device, dtype=own.dtype), own]
         return torch.cat(pieces), self.flatten(adapter_items)
 
