@@ -27,6 +27,15 @@ class CacheState:
     num_cached: int  # tokens whose target K/V stand in the cache
     block_table: list[int]  # the sequence's blocks (a draft model mirrors the target's ids)
     epoch: int  # changes whenever the sequence's blocks were freed (preemption)
+    # Chained content hashes of the leading full, committed blocks (prefix caching on): what
+    # a drafter's record of its own entries is checked against (engine/decoders/exact_blocks).
+    block_hashes: list[int] = field(default_factory=list)
+
+    def committed_blocks(self, first: int = 0, last: int | None = None) -> list[tuple[int, int]]:
+        """(block id, content hash) of committed blocks ``first`` .. ``last - 1`` (all by
+        default)."""
+        end = len(self.block_hashes) if last is None else min(last, len(self.block_hashes))
+        return [(self.block_table[i], self.block_hashes[i]) for i in range(first, end)]
 
 
 @dataclass(eq=False)
@@ -132,7 +141,9 @@ class Sequence:
         del self.output_sources[length:]
 
     def cache_state(self) -> CacheState:
-        return CacheState(self.num_computed_tokens, self.block_table, self.num_preemptions)
+        return CacheState(
+            self.num_computed_tokens, self.block_table, self.num_preemptions, self.block_hashes
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from engine import LLM, SamplingParams
 
 PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [3] * 12, [40 + i % 9 for i in range(30)]]
@@ -41,3 +43,47 @@ def check_greedy_identity_batched_preempted_aborted(
         engine.step()
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def first_draft_after_a_prefix_hit(
+    make_llm: Callable[..., LLM], name: str, own_cache, first_drafted: bool, poison_seed: int
+):
+    """The first drafting forward's logits of a request whose prompt shares six blocks with
+    an earlier request's (a prefix-cache hit: the target computes nothing there), after the
+    drafter's own cache (``own_cache(drafter)``: a KVCache) was filled with noise from
+    ``poison_seed``. The earlier request drafted through its prompt or never drafted
+    (``first_drafted``). The later request's output must equal plain decoding's."""
+    llm = make_llm(kv_cache={"block_size": 4})
+    engine = llm.engine
+    decoder = engine.speculator.decoders[name]
+    drafter = decoder.drafter
+    shared = [40 + i % 9 for i in range(25)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plan = decoder.plan
+    if not first_drafted:
+        decoder.plan = lambda seqs, max_drafts: {}
+    engine.add_request("a", shared, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    decoder.plan = plan
+    storage = own_cache(drafter).storage
+    noise = torch.randn(storage.shape, generator=torch.Generator().manual_seed(poison_seed))
+    storage.copy_(noise * 10)
+    logits, forward = [], drafter.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        logits.append(out.clone())
+        return out
+
+    drafter.forward = recording
+    hits_before = engine.block_manager.stats.hits
+    prompt = shared + [3, 4, 5]
+    engine.add_request("b", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert engine.block_manager.stats.hits - hits_before == 24  # six blocks of four
+    expected = LLM(model=str(engine.config.model)).generate([prompt], params)[0].token_ids
+    assert outputs[0].outputs[0].token_ids == expected
+    return logits[0]

@@ -10,7 +10,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
+from tests.decoder_checks import (
+    check_greedy_identity_batched_preempted_aborted,
+    first_draft_after_a_prefix_hit,
+)
 from tests.tiny_models import save_eagle_drafter
 from tooling.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
 
@@ -185,3 +188,22 @@ def test_steps_without_drafts_run_plain_and_still_hand_out_features(tiny_model_d
     params = SamplingParams(temperature=0, max_tokens=20)
     expected = LLM(model=str(tiny_model_dir)).generate([PROMPTS[0]], params)[0].token_ids
     assert seq.output_token_ids == expected
+
+
+def test_a_prefix_hit_reuses_only_the_entries_the_drafter_computed_for_those_blocks(
+    tiny_model_dir, drafter_dir
+):
+    """The drafter's entries in shared blocks are reused on a prefix-cache hit when it
+    computed them for that content (noise put there changes the drafts), and read again
+    when the request that filled the blocks never drafted (noise there changes nothing)."""
+
+    def first_draft(first_drafted: bool, seed: int) -> torch.Tensor:
+        def make(**overrides):
+            return eagle_llm(tiny_model_dir, drafter_dir, **overrides)
+
+        return first_draft_after_a_prefix_hit(
+            make, "eagle", lambda drafter: drafter.kv_cache, first_drafted, seed
+        )
+
+    assert torch.equal(first_draft(False, 1), first_draft(False, 2))
+    assert not torch.allclose(first_draft(True, 1), first_draft(True, 2))

@@ -12,7 +12,10 @@ from engine import LLM, SamplingParams
 from engine.decoders.drafter_files import TrainedDrafter
 from engine.decoders.kangaroo import KangarooAdapter
 from engine.model_runner import ForwardItem
-from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
+from tests.decoder_checks import (
+    check_greedy_identity_batched_preempted_aborted,
+    first_draft_after_a_prefix_hit,
+)
 from tests.tiny_models import save_kangaroo_drafter
 from tooling.training.self_distillation import sequence_features
 from tooling.training.train_kangaroo import KangarooTrainOptions, run_train_kangaroo
@@ -166,3 +169,23 @@ def test_train_learns_resumes_and_writes_a_drafter_the_decoder_loads(tiny_model_
     expected = llm.generate(PROMPTS[:2], GREEDY)
     got = kangaroo_llm(tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_a_prefix_hit_reuses_only_the_adapter_entries_computed_for_those_blocks(
+    tiny_model_dir, tmp_path
+):
+    """As EAGLE's (tests/test_eagle.py): the adapter's entries in shared blocks are reused
+    where it computed them for that content, and read again (from zeros: the target captured
+    nothing there) where the request that filled them never drafted."""
+    drafter = save_kangaroo_drafter(tiny_model_dir, tmp_path / "loud", output_scale=1.0)
+
+    def first_draft(first_drafted: bool, seed: int) -> torch.Tensor:
+        def make(**overrides):
+            return kangaroo_llm(tiny_model_dir, drafter, quantization="none", **overrides)
+
+        return first_draft_after_a_prefix_hit(
+            make, "kangaroo", lambda d: d.runner.adapter_cache, first_drafted, seed
+        )
+
+    assert torch.equal(first_draft(False, 1), first_draft(False, 2))
+    assert not torch.allclose(first_draft(True, 1), first_draft(True, 2))

@@ -11,11 +11,13 @@ test), so the drafter has seen its own guesses at every depth it drafts.
 
 **Its K/V** live in a one-layer cache of the drafter's own over the target's block ids (as a
 separate draft model's do), so the target's allocation, rollback, prefix caching and freeing
-cover them. Entries computed from guesses are replaced once the target's features for those
-positions are known: after a verification only the decode token's entry stands, and the next
-round first re-reads the accepted tokens with the target's features. A position whose
-previous feature was never seen (the first token, or the first token after a prefix-cache hit)
-reads a zero feature, as the drafter was trained at position 0.
+cover them; on a prefix-cache hit only the blocks it recorded as computed exactly for that
+content are reused (``ExactBlocks``). Entries computed from guesses are replaced once the
+target's features for those positions are known: after a verification only the decode token's
+entry stands, and the next round first re-reads the accepted tokens with the target's
+features. A position whose previous feature was never seen (the first token, or the tokens of
+a prefix-cache hit that the drafter has no exact entries for) reads a zero feature, as the
+drafter was trained at position 0.
 
 Drafts are drawn from the drafter's processed distribution q (``ModelDrafter``: greedy requests
 take its argmax), so verification is the general rejection rule: lossless for every sampling
@@ -35,6 +37,7 @@ from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle_tree import draft_tree
+from engine.decoders.exact_blocks import ExactBlocks
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
@@ -168,6 +171,7 @@ class EagleDrafter(ModelDrafter):
             self.model.dtype, self.device,
         )  # fmt: skip
         self._logs = SequenceFeatureLogs(self._final_norm)
+        self._exact = ExactBlocks(cache.block_size)
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
@@ -176,6 +180,12 @@ class EagleDrafter(ModelDrafter):
         state = self._states.get(seq)
         # Entries from num_cached on will be (re)computed and read features from one before.
         self._logs.observe(seq, first_position, features, state and state.num_cached - 1)
+        cache = seq.cache_state()
+        if state is not None and state.cache_epoch == cache.epoch:
+            # Entries up to the last round's decode token read the target's features (the
+            # drafts' after it read guesses until verification has them re-read).
+            exact_to = min(state.num_cached, state.start + 1, cache.num_cached)
+            state.exact_from = self._exact.record(cache, state.exact_from, exact_to)
 
     def _final_norm(self, features: torch.Tensor) -> torch.Tensor:
         return rms_norm_rows(features, self.model.final_norm, self.model.arch.rms_norm_eps)
@@ -183,10 +193,14 @@ class EagleDrafter(ModelDrafter):
     def _state(self, seq: Sequence):
         state = super()._state(seq)
         log = self._logs.get(seq)
-        # Below the first position with a feature, trust the entries already there (a
-        # prefix-cache hit: computed by the request that filled those blocks).
         if log is not None and state.num_cached < log.start:
-            state.num_cached = log.start
+            # A prefix-cache hit: the target computed nothing below log.start, so there are
+            # no features there. The blocks whose entries this drafter computed for the same
+            # content are reused; the rest are read again from zero features, approximate
+            # entries that are never recorded as exact (engine/decoders/exact_blocks.py).
+            trusted = min(self._exact.trusted_prefix(seq.cache_state()), log.start)
+            state.num_cached = max(state.num_cached, trusted)
+            state.exact_from = log.start + 1  # entry log.start reads an unknown feature too
         return state
 
     @torch.inference_mode()
@@ -205,7 +219,9 @@ class EagleDrafter(ModelDrafter):
             ids += tokens
             positions += range(state.num_cached, state.num_cached + n)
             features.append(log.before(state.num_cached, n, width))
-            slices.append(SequenceSlice(state.num_cached, n, s.cache_state().block_table))
+            block_table = s.cache_state().block_table
+            slices.append(SequenceSlice(state.num_cached, n, block_table))
+            self._exact.overwrite(block_table, state.num_cached, n)
             rows += range(row + n - num_logits[s], row + n)
             row += n
         arch = self.model.arch

@@ -32,6 +32,7 @@ from engine.decoders.base import TargetContext
 from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
+from engine.decoders.exact_blocks import ExactBlocks
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.kv_cache import KVCache
@@ -206,6 +207,8 @@ class KangarooRunner(ModelRunner):
 class _AdapterState:
     read: int  # leading positions whose adapter K/V are valid
     cache_epoch: int  # the sequence's cache epoch when ``read`` was set
+    # The first position whose block is not recorded as exact yet (``ExactBlocks``).
+    exact_from: int = 0
 
 
 class KangarooDrafter(ModelDrafter):
@@ -219,6 +222,7 @@ class KangarooDrafter(ModelDrafter):
             weakref.WeakKeyDictionary()
         )
         self._logs = SequenceFeatureLogs(_as_captured)
+        self._exact = ExactBlocks(runner.adapter_cache.block_size)
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
@@ -227,6 +231,13 @@ class KangarooDrafter(ModelDrafter):
         # The adapter has read the positions before this for good; after a preemption none
         # (a read position of the old epoch would drop the recomputed prompt's rows).
         self._logs.observe(seq, first_position, features, self._valid_read(seq))
+        adapter, state = self._adapter.get(seq), self._states.get(seq)
+        cache = seq.cache_state()
+        if adapter is not None and state is not None and adapter.cache_epoch == cache.epoch:
+            # Up to the last round's decode token the adapter read the target's own shallow
+            # states (the accepted drafts' are recorded once the next round starts past them).
+            exact_to = min(adapter.read, state.start + 1, cache.num_cached)
+            adapter.exact_from = self._exact.record(cache, adapter.exact_from, exact_to)
 
     def _valid_read(self, seq: Sequence) -> int:
         """Leading positions of ``seq`` whose adapter K/V are valid now (read-only)."""
@@ -239,10 +250,11 @@ class KangarooDrafter(ModelDrafter):
         log = self._logs.get(seq)
         if log is not None and read < log.start:
             # Below the first captured position (a prefix-cache hit: the target computed
-            # nothing there) no features exist: the entries already there are trusted, as
-            # EAGLE trusts its own. They may be stale (another request's, or never drafted):
-            # the drafts lose accuracy, never exactness.
-            read = min(log.start, cache.num_cached)
+            # nothing there) no features exist: the blocks whose entries the adapter computed
+            # for the same content are reused, the rest read again from zeros
+            # (engine/decoders/exact_blocks.py): the drafts lose accuracy, never exactness.
+            trusted = self._exact.trusted_prefix(cache)
+            read = max(read, min(trusted, log.start, cache.num_cached))
         return read
 
     def tokens_behind(self, seq: Sequence) -> int:
@@ -252,8 +264,13 @@ class KangarooDrafter(ModelDrafter):
 
     def begin_round(self, seq: Sequence) -> None:
         super().begin_round(seq)
-        read = self._valid_read(seq)
-        self._adapter[seq] = _AdapterState(read, seq.cache_state().epoch)
+        read, epoch = self._valid_read(seq), seq.cache_state().epoch
+        previous, log = self._adapter.get(seq), self._logs.get(seq)
+        same_epoch = previous is not None and previous.cache_epoch == epoch
+        exact_from = previous.exact_from if same_epoch else 0
+        if log is not None and read < log.start:
+            exact_from = log.start  # the adapter reads zeros up to there: not exact
+        self._adapter[seq] = _AdapterState(read, epoch, exact_from)
 
     def forward(self, seqs, chains, num_logits, compact: bool = False) -> torch.Tensor:
         width = self.runner.model.arch.hidden_size
@@ -268,8 +285,12 @@ class KangarooDrafter(ModelDrafter):
             else:
                 catch_up.append(log.at(read, start - read, width))
         items = self.read_items(seqs, chains, num_logits)
-        for s in seqs:
-            self._adapter[s].read = self._states[s].num_cached
+        for s, item in zip(seqs, items, strict=True):
+            adapter = self._adapter[s]
+            # The adapter writes its catch-up rows, then the items' own.
+            end = item.num_cached + len(item.token_ids)
+            self._exact.overwrite(s.cache_state().block_table, adapter.read, end - adapter.read)
+            adapter.read = self._states[s].num_cached
         options = {**self.model_options, "compact": compact, "catch_up": catch_up}
         return self.runner.run(items, **options)
 
