@@ -28,7 +28,7 @@ class CacheState:
     block_table: list[int]  # the sequence's blocks (a draft model mirrors the target's ids)
     epoch: int  # changes whenever the sequence's blocks were freed (preemption)
     # Chained content hashes of the leading full, committed blocks (prefix caching on): what
-    # a drafter's record of its own entries is checked against (engine/decoders/exact_blocks).
+    # a drafter's record of its own entries is checked against (engine/decoders/written_blocks).
     block_hashes: list[int] = field(default_factory=list)
 
     def committed_blocks(self, first: int = 0, last: int | None = None) -> list[tuple[int, int]]:

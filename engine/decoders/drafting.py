@@ -56,9 +56,9 @@ class _DraftState:
     cache_epoch: int  # the sequence's cache epoch when num_cached was set
     generator: torch.Generator
     start: int = 0  # position of the first token read in the current drafting round
-    # Drafters that record their exact entries (engine/decoders/exact_blocks.py): the first
-    # position whose block is not recorded yet.
-    exact_from: int = 0
+    # Drafters that record the blocks they wrote (engine/decoders/written_blocks.py): the
+    # first position whose block is not recorded yet.
+    unrecorded_from: int = 0
 
 
 def softmax_with_statistics(
@@ -138,7 +138,7 @@ class ModelDrafter:
         elif state.cache_epoch != cache.epoch:
             # Preempted since: its blocks were freed, so nothing of it is cached. The draft
             # stream goes on: restarting it would reuse draws that already shaped the output.
-            state.num_cached, state.cache_epoch, state.exact_from = 0, cache.epoch, 0
+            state.num_cached, state.cache_epoch, state.unrecorded_from = 0, cache.epoch, 0
         if self.follows is not None:
             leader = self.follows._states.get(seq)
             state.num_cached = leader.num_cached if leader is not None else 0

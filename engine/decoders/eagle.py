@@ -11,12 +11,12 @@ test), so the drafter has seen its own guesses at every depth it drafts.
 
 **Its K/V** live in a one-layer cache of the drafter's own over the target's block ids (as a
 separate draft model's do), so the target's allocation, rollback, prefix caching and freeing
-cover them; on a prefix-cache hit only the blocks it recorded as computed exactly for that
-content are reused (``ExactBlocks``). Entries computed from guesses are replaced once the
+cover them; on a prefix-cache hit only the blocks it recorded as computed for that content are
+reused (``WrittenBlocks``). Entries computed from guesses are replaced once the
 target's features for those positions are known: after a verification only the decode token's
 entry stands, and the next round first re-reads the accepted tokens with the target's
 features. A position whose previous feature was never seen (the first token, or the tokens of
-a prefix-cache hit that the drafter has no exact entries for) reads a zero feature, as the
+a prefix-cache hit that the drafter has no entries for) reads a zero feature, as the
 drafter was trained at position 0.
 
 Drafts are drawn from the drafter's processed distribution q (``ModelDrafter``: greedy requests
@@ -37,10 +37,10 @@ from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.eagle_tree import draft_tree
-from engine.decoders.exact_blocks import ExactBlocks
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
+from engine.decoders.written_blocks import WrittenBlocks
 from engine.kv_cache import KVCache
 from engine.models.decoder_stack import DecoderStack
 from engine.models.llama import DecoderLayer, ModelArchitecture, rms_norm_rows
@@ -171,7 +171,7 @@ class EagleDrafter(ModelDrafter):
             self.model.dtype, self.device,
         )  # fmt: skip
         self._logs = SequenceFeatureLogs(self._final_norm)
-        self._exact = ExactBlocks(cache.block_size)
+        self._written = WrittenBlocks(cache.block_size)
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
@@ -182,10 +182,10 @@ class EagleDrafter(ModelDrafter):
         self._logs.observe(seq, first_position, features, state and state.num_cached - 1)
         cache = seq.cache_state()
         if state is not None and state.cache_epoch == cache.epoch:
-            # Entries up to the last round's decode token read the target's features (the
-            # drafts' after it read guesses until verification has them re-read).
-            exact_to = min(state.num_cached, state.start + 1, cache.num_cached)
-            state.exact_from = self._exact.record(cache, state.exact_from, exact_to)
+            # Entries up to the last round's decode token stand (the drafts' after it read
+            # guesses until verification has them re-read).
+            written_to = min(state.num_cached, state.start + 1, cache.num_cached)
+            state.unrecorded_from = self._written.record(cache, state.unrecorded_from, written_to)
 
     def _final_norm(self, features: torch.Tensor) -> torch.Tensor:
         return rms_norm_rows(features, self.model.final_norm, self.model.arch.rms_norm_eps)
@@ -196,11 +196,10 @@ class EagleDrafter(ModelDrafter):
         if log is not None and state.num_cached < log.start:
             # A prefix-cache hit: the target computed nothing below log.start, so there are
             # no features there. The blocks whose entries this drafter computed for the same
-            # content are reused; the rest are read again from zero features, approximate
-            # entries that are never recorded as exact (engine/decoders/exact_blocks.py).
-            trusted = min(self._exact.trusted_prefix(seq.cache_state()), log.start)
+            # content are reused; the rest are read again from zero features
+            # (engine/decoders/written_blocks.py).
+            trusted = min(self._written.trusted_prefix(seq.cache_state()), log.start)
             state.num_cached = max(state.num_cached, trusted)
-            state.exact_from = log.start + 1  # entry log.start reads an unknown feature too
         return state
 
     @torch.inference_mode()
@@ -221,7 +220,7 @@ class EagleDrafter(ModelDrafter):
             features.append(log.before(state.num_cached, n, width))
             block_table = s.cache_state().block_table
             slices.append(SequenceSlice(state.num_cached, n, block_table))
-            self._exact.overwrite(block_table, state.num_cached, n)
+            self._written.overwrite(block_table, state.num_cached, n)
             rows += range(row + n - num_logits[s], row + n)
             row += n
         arch = self.model.arch

@@ -32,9 +32,9 @@ from engine.decoders.base import TargetContext
 from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
-from engine.decoders.exact_blocks import ExactBlocks
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
+from engine.decoders.written_blocks import WrittenBlocks
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
@@ -207,8 +207,8 @@ class KangarooRunner(ModelRunner):
 class _AdapterState:
     read: int  # leading positions whose adapter K/V are valid
     cache_epoch: int  # the sequence's cache epoch when ``read`` was set
-    # The first position whose block is not recorded as exact yet (``ExactBlocks``).
-    exact_from: int = 0
+    # The first position whose block is not recorded yet (``WrittenBlocks``).
+    unrecorded_from: int = 0
 
 
 class KangarooDrafter(ModelDrafter):
@@ -222,7 +222,7 @@ class KangarooDrafter(ModelDrafter):
             weakref.WeakKeyDictionary()
         )
         self._logs = SequenceFeatureLogs(_as_captured)
-        self._exact = ExactBlocks(runner.adapter_cache.block_size)
+        self._written = WrittenBlocks(runner.adapter_cache.block_size)
 
     def has_features(self, seq: Sequence) -> bool:
         return seq in self._logs
@@ -234,10 +234,12 @@ class KangarooDrafter(ModelDrafter):
         adapter, state = self._adapter.get(seq), self._states.get(seq)
         cache = seq.cache_state()
         if adapter is not None and state is not None and adapter.cache_epoch == cache.epoch:
-            # Up to the last round's decode token the adapter read the target's own shallow
-            # states (the accepted drafts' are recorded once the next round starts past them).
-            exact_to = min(adapter.read, state.start + 1, cache.num_cached)
-            adapter.exact_from = self._exact.record(cache, adapter.exact_from, exact_to)
+            # Entries up to the last round's decode token stand (the accepted drafts' are
+            # recorded once the next round starts past them).
+            written_to = min(adapter.read, state.start + 1, cache.num_cached)
+            adapter.unrecorded_from = self._written.record(
+                cache, adapter.unrecorded_from, written_to
+            )
 
     def _valid_read(self, seq: Sequence) -> int:
         """Leading positions of ``seq`` whose adapter K/V are valid now (read-only)."""
@@ -252,8 +254,8 @@ class KangarooDrafter(ModelDrafter):
             # Below the first captured position (a prefix-cache hit: the target computed
             # nothing there) no features exist: the blocks whose entries the adapter computed
             # for the same content are reused, the rest read again from zeros
-            # (engine/decoders/exact_blocks.py): the drafts lose accuracy, never exactness.
-            trusted = self._exact.trusted_prefix(cache)
+            # (engine/decoders/written_blocks.py): the drafts lose accuracy, never exactness.
+            trusted = self._written.trusted_prefix(cache)
             read = max(read, min(trusted, log.start, cache.num_cached))
         return read
 
@@ -265,12 +267,10 @@ class KangarooDrafter(ModelDrafter):
     def begin_round(self, seq: Sequence) -> None:
         super().begin_round(seq)
         read, epoch = self._valid_read(seq), seq.cache_state().epoch
-        previous, log = self._adapter.get(seq), self._logs.get(seq)
+        previous = self._adapter.get(seq)
         same_epoch = previous is not None and previous.cache_epoch == epoch
-        exact_from = previous.exact_from if same_epoch else 0
-        if log is not None and read < log.start:
-            exact_from = log.start  # the adapter reads zeros up to there: not exact
-        self._adapter[seq] = _AdapterState(read, epoch, exact_from)
+        unrecorded_from = previous.unrecorded_from if same_epoch else 0
+        self._adapter[seq] = _AdapterState(read, epoch, unrecorded_from)
 
     def forward(self, seqs, chains, num_logits, compact: bool = False) -> torch.Tensor:
         width = self.runner.model.arch.hidden_size
@@ -289,7 +289,7 @@ class KangarooDrafter(ModelDrafter):
             adapter = self._adapter[s]
             # The adapter writes its catch-up rows, then the items' own.
             end = item.num_cached + len(item.token_ids)
-            self._exact.overwrite(s.cache_state().block_table, adapter.read, end - adapter.read)
+            self._written.overwrite(s.cache_state().block_table, adapter.read, end - adapter.read)
             adapter.read = self._states[s].num_cached
         options = {**self.model_options, "compact": compact, "catch_up": catch_up}
         return self.runner.run(items, **options)
