@@ -103,6 +103,26 @@ def test_an_interrupted_build_continues_with_the_same_data(chat_llm, tmp_path):
         assert _same(_contents(tmp_path / "whole" / split), _contents(tmp_path / "resumed" / split))
 
 
+def test_a_build_from_a_later_shard_makes_the_shards_a_whole_build_makes_there(
+    chat_llm, tmp_path, capsys
+):
+    """``--first-shard``: a set goes on past shards made before (a drafter learned from them)
+    with exactly the shards a build from the start makes at those indices."""
+    recipe = _recipe()
+    build(chat_llm, tmp_path / "whole", recipe, budget=150)
+    made = shard_paths(tmp_path / "whole" / "train")
+    assert len(made) >= 3
+    later = build(chat_llm, tmp_path / "later", recipe, budget=1, first_shard=2)
+    assert [p.name for p in shard_paths(tmp_path / "later" / "train")] == [made[2].name]
+    assert later == sum(c.answer_tokens for c in load_shard(made[2]))
+    third = _contents(tmp_path / "whole" / "train")[2]
+    assert _same(_contents(tmp_path / "later" / "train"), [third])
+    from tooling.cli import main
+
+    assert main(["train", "data", "--from", "x.jsonl", "--first-shard", "3"]) == 2
+    assert "--first-shard: an index >= 0" in capsys.readouterr().err
+
+
 def test_conversations_hold_both_turns_with_features_everywhere(chat_llm, tmp_path):
     build(chat_llm, tmp_path, _recipe(), budget=1)
     conversations = load_shard(shard_paths(tmp_path / "train")[0])

@@ -119,6 +119,8 @@ def _cmd_train_data(args: argparse.Namespace) -> int:
         raise ValueError("--answers, --shard-requests and --batch must be >= 1")
     if args.answers > 1 and (not temperatures or min(temperatures) <= 0):
         raise ValueError("--temperatures: one or more values > 0 for the sampled answers")
+    if args.first_shard < 0 or (args.first_shard and args.conversations):
+        raise ValueError("--first-shard: an index >= 0, for specserve's own requests (not --from)")
     llm = _training_llm(args, batch=args.batch)
     source = Path(args.conversations) if args.conversations else None
     root = Path(args.output) if args.output else default_root(llm.model_dir, source)
@@ -137,7 +139,8 @@ def _cmd_train_data(args: argparse.Namespace) -> int:
         bar.unit, bar.unit_scale = "tok", True
         update = _resumed(bar)
         if source is None:
-            total = build(llm, root, recipe, args.tokens, args.held_out_shards, update, keep)
+            total = build(llm, root, recipe, args.tokens, args.held_out_shards, update, keep,
+                          args.first_shard)  # fmt: skip
         else:
             total = build_from_file(llm, source, root, recipe, args.tokens, None, update, keep)
     print(f"{root}: {total:,} training answer tokens")
@@ -219,6 +222,13 @@ def _add_data_parser(which) -> None:
         help="also keep these layers' outputs from the generation, beside each new shard "
         "('eagle3': the layers `train eagle3` fuses; or indices like 1,14,26): 3.5 kB a "
         "token for three layers of a 576-wide model, and `train eagle3` needs no second pass",
+    )
+    p.add_argument(
+        "--first-shard",
+        type=int,
+        default=0,
+        help="make training shards from this index on (each index draws its own requests): "
+        "goes on past shards a drafter already learned from, e.g. after the cache was lost",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_train_data)

@@ -280,17 +280,20 @@ def check_recipe(root: Path, recipe: Recipe) -> None:
 
 
 def build(llm, root: Path, recipe: Recipe, budget: int, held_out_shards: int = 1,
-          progress=None, keep_layers: tuple[int, ...] | None = None) -> int:  # fmt: skip
+          progress=None, keep_layers: tuple[int, ...] | None = None,
+          first_shard: int = 0) -> int:  # fmt: skip
     """Shards of specserve's own requests under ``root``/train until they hold ``budget``
     answer tokens, and ``held_out_shards`` under ``root``/held_out (on subjects training
-    never sees); returns the training split's answer tokens."""
+    never sees); returns the training split's answer tokens. Training shards are made from
+    index ``first_shard`` on: each index draws its own requests, so a set can go on past
+    shards a drafter already learned from without making them again."""
 
     def requests_of(split: str, index: int) -> list[Request] | None:
         if split == "held_out" and index >= held_out_shards:
             return None
         return shard_requests(recipe, split, index)
 
-    return _build(llm, root, recipe, budget, requests_of, progress, keep_layers)
+    return _build(llm, root, recipe, budget, requests_of, progress, keep_layers, first_shard)
 
 
 def build_from_file(llm, path: Path, root: Path, recipe: Recipe, budget: int,
@@ -323,7 +326,7 @@ def build_from_file(llm, path: Path, root: Path, recipe: Recipe, budget: int,
 
 
 def _build(llm, root: Path, recipe: Recipe, budget: int, requests_of, progress,
-           keep_layers: tuple[int, ...] | None) -> int:  # fmt: skip
+           keep_layers: tuple[int, ...] | None, first_shard: int = 0) -> int:  # fmt: skip
     check_recipe(root, recipe)
     index = 0
     while (requests := requests_of("held_out", index)) is not None:
@@ -332,7 +335,7 @@ def _build(llm, root: Path, recipe: Recipe, budget: int, requests_of, progress,
     done = answer_tokens_in(root / "train")
     if progress is not None:
         progress(done)
-    index = 0
+    index = first_shard
     while done < budget and (requests := requests_of("train", index)) is not None:
         made = _ensure_shard(llm, root / "train", recipe, "train", index, requests, keep_layers)
         index += 1
