@@ -49,10 +49,11 @@ def first_draft_after_a_prefix_hit(
     make_llm: Callable[..., LLM], name: str, own_cache, first_drafted: bool, poison_seed: int
 ):
     """The first drafting forward's logits of a request whose prompt shares six blocks with
-    an earlier request's (a prefix-cache hit: the target computes nothing there), after the
-    drafter's own cache (``own_cache(drafter)``: a KVCache) was filled with noise from
-    ``poison_seed``. The earlier request drafted through its prompt or never drafted
-    (``first_drafted``). The later request's output must equal plain decoding's."""
+    an earlier request's (a prefix-cache hit: the target computes nothing there), after noise
+    from ``poison_seed`` went into the drafter's own cache (``own_cache(drafter)``: a KVCache):
+    all of it when the earlier request never drafted, the last shared block's slots only when
+    it drafted through its prompt (``first_drafted``: then all six blocks must be reused). The
+    later request's output must equal plain decoding's."""
     llm = make_llm(kv_cache={"block_size": 4})
     engine = llm.engine
     decoder = engine.speculator.decoders[name]
@@ -66,9 +67,19 @@ def first_draft_after_a_prefix_hit(
     while engine.has_unfinished_requests():
         engine.step()
     decoder.plan = plan
+    hits_before = engine.block_manager.stats.hits
+    prompt = shared + [3, 4, 5]
+    engine.add_request("b", prompt, params)
+    outputs = [o for o in engine.step() if o.finished]  # B's prompt: no drafting before it
+    (seq,) = engine.scheduler.running
     storage = own_cache(drafter).storage
-    noise = torch.randn(storage.shape, generator=torch.Generator().manual_seed(poison_seed))
-    storage.copy_(noise * 10)
+    noise = 10 * torch.randn(storage.shape, generator=torch.Generator().manual_seed(poison_seed))
+    if first_drafted:
+        block = seq.cache_state().block_table[5]
+        slots = slice(4 * block, 4 * block + 4)
+        storage[:, :, slots] = noise[:, :, slots]
+    else:
+        storage.copy_(noise)
     logits, forward = [], drafter.forward
 
     def recording(*args, **kwargs):
@@ -77,13 +88,54 @@ def first_draft_after_a_prefix_hit(
         return out
 
     drafter.forward = recording
-    hits_before = engine.block_manager.stats.hits
-    prompt = shared + [3, 4, 5]
-    engine.add_request("b", prompt, params)
-    outputs = []
     while engine.has_unfinished_requests():
         outputs += [o for o in engine.step() if o.finished]
     assert engine.block_manager.stats.hits - hits_before == 24  # six blocks of four
     expected = LLM(model=str(engine.config.model)).generate([prompt], params)[0].token_ids
     assert outputs[0].outputs[0].token_ids == expected
     return logits[0]
+
+
+def first_draft_sharing_a_prefix(make_llm: Callable[..., LLM], name: str, together: bool):
+    """The first drafting logits of a request B whose prompt shares six blocks with a request
+    A's (a prefix-cache hit). ``together``: A and B draft for the first time in the same step,
+    so nothing of A's is recorded yet and A writes the shared blocks' entries in the very pass
+    where B reads them; otherwise A drafted (and recorded them) before B was added."""
+    llm = make_llm(kv_cache={"block_size": 4})
+    engine = llm.engine
+    decoder = engine.speculator.decoders[name]
+    drafter = decoder.drafter
+    allowed: set[str] = set()
+    plan = decoder.plan
+
+    def gated(seqs, max_drafts):
+        return plan([s for s in seqs if s.request_id in allowed],
+                    {s: k for s, k in max_drafts.items() if s.request_id in allowed})  # fmt: skip
+
+    decoder.plan = gated
+    shared = [40 + i % 9 for i in range(25)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", shared, params)
+    engine.step()  # A's prompt: its blocks committed
+    if not together:
+        allowed.add("a")
+        engine.step()
+        engine.step()
+    engine.add_request("b", shared + [3, 4, 5], params)
+    engine.step()  # B's prompt after the hit
+    b_rows, forward = [], drafter.forward
+
+    def recording(seqs, chains, num_logits, *args, **kwargs):
+        out = forward(seqs, chains, num_logits, *args, **kwargs)
+        row = 0
+        for s in seqs:
+            if s.request_id == "b" and not b_rows:
+                b_rows.append(out[row : row + num_logits[s]].clone())
+            row += num_logits[s]
+        return out
+
+    drafter.forward = recording
+    allowed |= {"a", "b"}
+    engine.step()
+    assert engine.block_manager.stats.hits == 24  # six blocks of four
+    return b_rows[0]

@@ -13,6 +13,7 @@ from engine import LLM, SamplingParams
 from tests.decoder_checks import (
     check_greedy_identity_batched_preempted_aborted,
     first_draft_after_a_prefix_hit,
+    first_draft_sharing_a_prefix,
 )
 from tests.tiny_models import save_eagle_drafter
 from tooling.training.train_eagle import EagleTrainOptions, run_train_eagle, unrolled_outputs
@@ -207,3 +208,19 @@ def test_a_prefix_hit_reuses_only_the_entries_the_drafter_computed_for_those_blo
 
     assert torch.equal(first_draft(False, 1), first_draft(False, 2))
     assert not torch.allclose(first_draft(True, 1), first_draft(True, 2))
+
+
+def test_requests_first_drafting_together_over_shared_blocks_read_the_fresh_entries(
+    tiny_model_dir, drafter_dir
+):
+    """A request re-reading a prefix hit it has no entries for skips the blocks another
+    request of the same pass writes from the target's features, and drafts as it would over
+    entries recorded earlier (two writers of a slot in one pass leave either's)."""
+
+    def first_draft(together: bool) -> torch.Tensor:
+        def make(**overrides):
+            return eagle_llm(tiny_model_dir, drafter_dir, quantization="none", **overrides)
+
+        return first_draft_sharing_a_prefix(make, "eagle", together)
+
+    torch.testing.assert_close(first_draft(True), first_draft(False), atol=1e-3, rtol=1e-3)

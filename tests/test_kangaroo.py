@@ -15,6 +15,7 @@ from engine.model_runner import ForwardItem
 from tests.decoder_checks import (
     check_greedy_identity_batched_preempted_aborted,
     first_draft_after_a_prefix_hit,
+    first_draft_sharing_a_prefix,
 )
 from tests.tiny_models import save_kangaroo_drafter
 from tooling.training.self_distillation import sequence_features
@@ -189,3 +190,18 @@ def test_a_prefix_hit_reuses_only_the_adapter_entries_computed_for_those_blocks(
 
     assert torch.equal(first_draft(False, 1), first_draft(False, 2))
     assert not torch.allclose(first_draft(True, 1), first_draft(True, 2))
+
+
+def test_requests_first_drafting_together_over_shared_blocks_read_the_fresh_entries(
+    tiny_model_dir, tmp_path
+):
+    """As EAGLE's (tests/test_eagle.py), for the adapter's entries."""
+    drafter = save_kangaroo_drafter(tiny_model_dir, tmp_path / "loud", output_scale=1.0)
+
+    def first_draft(together: bool) -> torch.Tensor:
+        def make(**overrides):
+            return kangaroo_llm(tiny_model_dir, drafter, quantization="none", **overrides)
+
+        return first_draft_sharing_a_prefix(make, "kangaroo", together)
+
+    torch.testing.assert_close(first_draft(True), first_draft(False), atol=1e-3, rtol=1e-3)

@@ -3,7 +3,7 @@ for, and not after it wrote into that block again (engine/decoders/written_block
 
 from __future__ import annotations
 
-from engine.decoders.written_blocks import WrittenBlocks
+from engine.decoders.written_blocks import WrittenBlocks, blocks_within, past_fresh_blocks
 from engine.sequence import CacheState
 
 
@@ -34,3 +34,13 @@ def test_writing_into_a_block_forgets_it_until_recorded_again():
     written.overwrite([7], 0, 100)  # ranges past the table stop at its end
     assert written.trusted_prefix(filled) == 0
     assert len(written) == 1  # block 9 stands
+
+
+def test_a_reader_from_zeros_skips_only_leading_whole_blocks_written_fresh_this_pass():
+    table = [7, 3, 9, 5]
+    fresh = blocks_within(table, 1, 14, 4)  # positions 1..13: blocks 1 and 2 whole
+    assert fresh == {3, 9}
+    assert past_fresh_blocks(table, 4, 16, 4, fresh) == 12
+    assert past_fresh_blocks(table, 4, 10, 4, fresh) == 8  # never past the hit's end
+    assert past_fresh_blocks(table, 0, 16, 4, fresh) == 0  # block 0 is not fresh
+    assert past_fresh_blocks(table, 5, 16, 4, fresh) == 5  # mid-block: left as it is

@@ -40,7 +40,7 @@ from engine.decoders.eagle_tree import draft_tree
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
-from engine.decoders.written_blocks import WrittenBlocks
+from engine.decoders.written_blocks import WrittenBlocks, blocks_within, past_fresh_blocks
 from engine.kv_cache import KVCache
 from engine.models.decoder_stack import DecoderStack
 from engine.models.llama import DecoderLayer, ModelArchitecture, rms_norm_rows
@@ -209,6 +209,7 @@ class EagleDrafter(ModelDrafter):
         ``compact`` over the draft vocabulary's columns, for the last ``num_logits[seq]``
         entries of each, sequence after sequence."""
         width = self.model.arch.hidden_size
+        self._read_fresh_entries(seqs)
         ids, positions, features, slices, rows = [], [], [], [], []
         row = 0
         for s in seqs:
@@ -241,6 +242,29 @@ class EagleDrafter(ModelDrafter):
             row += piece.num_new
         wanted = hidden[torch.tensor(rows, device=self.device)]
         return self.readout(wanted).float() if compact else self.read_out(wanted)
+
+    def _read_fresh_entries(self, seqs) -> None:
+        """Sequences about to re-read a prefix hit from zero features (``_state``) skip the
+        blocks another sequence of this pass writes from the target's features: the
+        siblings of an ``n > 1`` request, or requests sharing a system prompt, that first
+        draft together."""
+        size = self.kv_cache.block_size
+        fresh: set[int] = set()
+        for s in seqs:
+            state, log = self._states[s], self._logs[s]
+            # Entry p reads feature p - 1: known from log.start on (entry 0 reads zeros).
+            first = max(state.num_cached, log.start + 1 if log.start else 0)
+            end = min(s.num_tokens, log.end + 1)
+            fresh |= blocks_within(s.cache_state().block_table, first, end, size)
+        if not fresh:
+            return
+        for s in seqs:
+            state, log = self._states[s], self._logs[s]
+            if state.num_cached < log.start:
+                table = s.cache_state().block_table
+                state.num_cached = past_fresh_blocks(
+                    table, state.num_cached, log.start, size, fresh
+                )
 
     def entry(self, embeddings: torch.Tensor, features: torch.Tensor):
         """(the attention's input, the residual) of entries reading these tokens' embeddings

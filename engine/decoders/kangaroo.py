@@ -34,7 +34,7 @@ from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
-from engine.decoders.written_blocks import WrittenBlocks
+from engine.decoders.written_blocks import WrittenBlocks, blocks_within, past_fresh_blocks
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
@@ -274,6 +274,7 @@ class KangarooDrafter(ModelDrafter):
 
     def forward(self, seqs, chains, num_logits, compact: bool = False) -> torch.Tensor:
         width = self.runner.model.arch.hidden_size
+        self._read_fresh_entries(seqs)
         catch_up = []
         for s in seqs:
             read, start = self._adapter[s].read, self._states[s].num_cached
@@ -293,6 +294,24 @@ class KangarooDrafter(ModelDrafter):
             adapter.read = self._states[s].num_cached
         options = {**self.model_options, "compact": compact, "catch_up": catch_up}
         return self.runner.run(items, **options)
+
+    def _read_fresh_entries(self, seqs) -> None:
+        """As EAGLE's (``EagleDrafter._read_fresh_entries``): an adapter about to re-read a
+        prefix hit from zeros skips the blocks another sequence of this pass writes from the
+        target's shallow states."""
+        size = self.runner.adapter_cache.block_size
+        fresh: set[int] = set()
+        for s in seqs:
+            read, log = self._adapter[s].read, self._logs.get(s)
+            first = read if log is None else max(read, log.start)
+            fresh |= blocks_within(s.cache_state().block_table, first, s.num_tokens, size)
+        if not fresh:
+            return
+        for s in seqs:
+            adapter, log = self._adapter[s], self._logs.get(s)
+            if log is not None and adapter.read < log.start:
+                table = s.cache_state().block_table
+                adapter.read = past_fresh_blocks(table, adapter.read, log.start, size, fresh)
 
     def on_verified(self, seq: Sequence, proposal, num_accepted: int) -> None:
         """The adapter's entries of the decode token and the accepted drafts stand (it read

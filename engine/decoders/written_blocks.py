@@ -62,3 +62,23 @@ class WrittenBlocks:
 
     def __len__(self) -> int:
         return len(self._content)
+
+
+def blocks_within(block_table: list[int], first: int, end: int, block_size: int) -> set[int]:
+    """Ids of the blocks of ``block_table`` wholly inside positions ``first`` .. ``end - 1``."""
+    return set(block_table[-(-first // block_size) : max(0, end) // block_size])
+
+
+def past_fresh_blocks(
+    block_table: list[int], first: int, limit: int, block_size: int, fresh: set[int]
+) -> int:
+    """Where a sequence about to re-read positions ``first`` .. ``limit - 1`` of a prefix hit
+    from zeros may start instead: past the leading blocks that another sequence of the same
+    pass writes from the target's features (``fresh``). A pass writes every row's K/V before
+    its attention reads any, so those entries are there when it reads them; and two sequences
+    writing one slot in a pass would leave either one's."""
+    if first % block_size:
+        return first
+    while first + block_size <= limit and block_table[first // block_size] in fresh:
+        first += block_size
+    return first
