@@ -40,7 +40,7 @@ from engine.decoders.eagle_tree import draft_tree
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
 from engine.decoders.windows import build_window
-from engine.decoders.written_blocks import WrittenBlocks, blocks_within, past_fresh_blocks
+from engine.decoders.written_blocks import WrittenBlocks, reads_past_fresh_blocks
 from engine.kv_cache import KVCache
 from engine.models.decoder_stack import DecoderStack
 from engine.models.llama import DecoderLayer, ModelArchitecture, rms_norm_rows
@@ -247,24 +247,18 @@ class EagleDrafter(ModelDrafter):
         """Sequences about to re-read a prefix hit from zero features (``_state``) skip the
         blocks another sequence of this pass writes from the target's features: the
         siblings of an ``n > 1`` request, or requests sharing a system prompt, that first
-        draft together."""
-        size = self.kv_cache.block_size
-        fresh: set[int] = set()
+        draft together (``reads_past_fresh_blocks``)."""
+        plans = []
         for s in seqs:
             state, log = self._states[s], self._logs[s]
             # Entry p reads feature p - 1: known from log.start on (entry 0 reads zeros).
-            first = max(state.num_cached, log.start + 1 if log.start else 0)
+            features_from = log.start + 1 if log.start else 0
             end = min(s.num_tokens, log.end + 1)
-            fresh |= blocks_within(s.cache_state().block_table, first, end, size)
-        if not fresh:
-            return
-        for s in seqs:
-            state, log = self._states[s], self._logs[s]
-            if state.num_cached < log.start:
-                table = s.cache_state().block_table
-                state.num_cached = past_fresh_blocks(
-                    table, state.num_cached, log.start, size, fresh
-                )
+            table = s.cache_state().block_table
+            plans.append((table, state.num_cached, features_from, end, log.start))
+        starts = reads_past_fresh_blocks(plans, self.kv_cache.block_size)
+        for s, start in zip(seqs, starts, strict=True):
+            self._states[s].num_cached = start
 
     def entry(self, embeddings: torch.Tensor, features: torch.Tensor):
         """(the attention's input, the residual) of entries reading these tokens' embeddings

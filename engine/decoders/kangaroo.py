@@ -34,7 +34,7 @@ from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
 from engine.decoders.feature_log import SequenceFeatureLogs
 from engine.decoders.model_draft import ModelDraftDecoder
-from engine.decoders.written_blocks import WrittenBlocks, blocks_within, past_fresh_blocks
+from engine.decoders.written_blocks import WrittenBlocks, reads_past_fresh_blocks
 from engine.kv_cache import KVCache
 from engine.model_runner import ModelRunner
 from engine.models.llama import DecoderLayer, LlamaModel, ModelOutput, rms_norm
@@ -299,19 +299,14 @@ class KangarooDrafter(ModelDrafter):
         """As EAGLE's (``EagleDrafter._read_fresh_entries``): an adapter about to re-read a
         prefix hit from zeros skips the blocks another sequence of this pass writes from the
         target's shallow states."""
-        size = self.runner.adapter_cache.block_size
-        fresh: set[int] = set()
+        plans = []
         for s in seqs:
             read, log = self._adapter[s].read, self._logs.get(s)
-            first = read if log is None else max(read, log.start)
-            fresh |= blocks_within(s.cache_state().block_table, first, s.num_tokens, size)
-        if not fresh:
-            return
-        for s in seqs:
-            adapter, log = self._adapter[s], self._logs.get(s)
-            if log is not None and adapter.read < log.start:
-                table = s.cache_state().block_table
-                adapter.read = past_fresh_blocks(table, adapter.read, log.start, size, fresh)
+            hit_end = 0 if log is None else log.start  # entry p reads shallow state p
+            plans.append((s.cache_state().block_table, read, hit_end, s.num_tokens, hit_end))
+        starts = reads_past_fresh_blocks(plans, self.runner.adapter_cache.block_size)
+        for s, start in zip(seqs, starts, strict=True):
+            self._adapter[s].read = start
 
     def on_verified(self, seq: Sequence, proposal, num_accepted: int) -> None:
         """The adapter's entries of the decode token and the accepted drafts stand (it read

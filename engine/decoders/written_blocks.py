@@ -82,3 +82,24 @@ def past_fresh_blocks(
     while first + block_size <= limit and block_table[first // block_size] in fresh:
         first += block_size
     return first
+
+
+def reads_past_fresh_blocks(
+    plans: list[tuple[list[int], int, int, int, int]], block_size: int
+) -> list[int]:
+    """One pass's reads, each ``(block_table, read_from, features_from, end, hit_end)``: it
+    writes positions ``read_from`` .. ``end - 1``, from the target's features from
+    ``features_from`` on, and below ``hit_end`` (a prefix hit) from zeros. Returns each read's
+    start, those re-reading a hit moved ``past_fresh_blocks`` of the others (unchanged when
+    none re-reads a hit: the usual pass costs a comparison a sequence)."""
+    starts = [read_from for _, read_from, _, _, _ in plans]
+    if all(read_from >= hit_end for _, read_from, _, _, hit_end in plans):
+        return starts
+    fresh: set[int] = set()
+    for table, read_from, features_from, end, _ in plans:
+        fresh |= blocks_within(table, max(read_from, features_from), end, block_size)
+    return [
+        past_fresh_blocks(table, read_from, hit_end, block_size, fresh)
+        if read_from < hit_end else read_from
+        for table, read_from, _, _, hit_end in plans
+    ]
