@@ -182,10 +182,13 @@ def test_a_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tiny_chat_m
 
     build(chat_llm, tmp_path / "data", _recipe(), budget=1)
     drafter = save_eagle_drafter(tiny_chat_model_dir, tmp_path / "eagle")
-    accuracies = evaluate_eagle(chat_llm, str(drafter), tmp_path / "data", depth=2, top_k=3)
-    assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
-    assert all(0 <= a <= 1 for row in accuracies for a in row)
-    assert sum(accuracies[0]) <= 1  # the top-3 candidates are distinct tokens
+    scores = evaluate_eagle(chat_llm, str(drafter), tmp_path / "data", depth=2, top_k=3)
+    # the recipe answers each request greedily and sampled: scored over all and by kind
+    assert set(scores) == {"all answers", "greedy answers", "sampled answers"}
+    for accuracies in scores.values():
+        assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
+        assert all(0 <= a <= 1 for row in accuracies for a in row)
+        assert sum(accuracies[0]) <= 1  # the top-3 candidates are distinct tokens
 
 
 def test_eagle3s_layer_outputs_are_kept_beside_the_shards_and_read_back(chat_llm, tmp_path,
@@ -269,10 +272,66 @@ def test_an_eagle3_drafter_is_scored_on_a_data_sets_held_out_split(chat_llm, tin
     build(chat_llm, tmp_path / "data", _recipe(), budget=1)
     layers = (0, 1, 1)  # the chat model has two layers
     drafter = save_eagle3_drafter(tiny_chat_model_dir, tmp_path / "eagle3", feature_layers=layers)
-    accuracies = evaluate_eagle3(chat_llm, str(drafter), tmp_path / "data", depth=2, top_k=3)
-    assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
-    assert all(0 <= a <= 1 for row in accuracies for a in row)
-    assert sum(accuracies[0]) <= 1
+    scores = evaluate_eagle3(chat_llm, str(drafter), tmp_path / "data", depth=2, top_k=3)
+    assert set(scores) == {"all answers", "greedy answers", "sampled answers"}
+    for accuracies in scores.values():
+        assert len(accuracies) == 2 and all(len(row) == 3 for row in accuracies)
+        assert all(0 <= a <= 1 for row in accuracies for a in row)
+        assert sum(accuracies[0]) <= 1
+
+
+def test_held_out_answers_are_told_apart_by_how_they_were_made(chat_llm, tmp_path):
+    from tooling.training.train_eagle import by_answer_kind
+
+    build(chat_llm, tmp_path, _recipe(), budget=1)
+    split = load_split(tmp_path / "held_out")
+    # two answers a request, the first greedy and the second sampled, in that order
+    assert split.temperatures == [0.0, 0.7] * (len(split.sequences) // 2)
+    kinds = split.answer_kinds()
+    assert kinds == {
+        "greedy answers": list(range(0, len(split.sequences), 2)),
+        "sampled answers": list(range(1, len(split.sequences), 2)),
+    }
+    assert by_answer_kind(lambda only: only, split) == {"all answers": None, **kinds}
+    # one kind alone is scored once, as all answers
+    greedy = load_split(tmp_path / "held_out")
+    greedy.temperatures = [0.0] * len(greedy.sequences)
+    assert by_answer_kind(lambda only: only, greedy) == {"all answers": None}
+
+
+def test_held_out_accuracy_over_some_sequences_is_theirs_alone(chat_llm, tiny_chat_model_dir,
+                                                               tmp_path):  # fmt: skip
+    from engine.toolkit import EagleNetwork, dense_weight, load_drafter
+    from tests.tiny_models import save_eagle_drafter
+    from tooling.training.self_distillation import FeatureSplit
+    from tooling.training.train_eagle import held_out_accuracies, padded_rope
+
+    build(chat_llm, tmp_path / "data", _recipe(), budget=1)
+    split = load_split(tmp_path / "data" / "held_out")
+    model = chat_llm.engine.model
+    # Every even token drafted, each as a candidate: a sequence scores the share of its
+    # answer tokens that are even, which differs from sequence to sequence.
+    even = torch.arange(0, model.arch.vocab_size, 2)
+    saved = save_eagle_drafter(tiny_chat_model_dir, tmp_path / "eagle", draft_vocab=even)
+    drafter = load_drafter(str(saved), "eagle", EagleNetwork, model)
+    readout = dense_weight(model.lm_head)[even].float()
+
+    def score(s, only=None) -> list[float]:
+        network, rope_of = drafter.network.float(), padded_rope(model)
+        rows = held_out_accuracies(network, rope_of, s, model.embed, readout, even,
+                                   model.arch.vocab_size, 2, len(even), only=only)  # fmt: skip
+        return [round(sum(row), 6) for row in rows]
+
+    whole = score(split)
+    alone = [
+        score(FeatureSplit([split.sequences[i]], [split.starts[i]], [split.features[i]],
+                           [split.spans[i]]))  # fmt: skip
+        for i in range(len(split.sequences))
+    ]
+    assert len(set(map(tuple, alone))) > 1  # the sequences do score differently
+    for i, expected in enumerate(alone):
+        assert score(split, only=[i]) == expected
+    assert score(split, only=list(range(len(split.sequences)))) == whole
 
 
 def test_train_data_keeps_layers_from_the_command_line(tiny_chat_model_dir, tmp_path, capsys):

@@ -236,14 +236,14 @@ def _add_data_parser(which) -> None:
 
 def _cmd_train_evaluate(args: argparse.Namespace) -> int:
     from engine.toolkit import LLM
-    from tooling.training.train_eagle import evaluate_eagle, print_accuracies
+    from tooling.training.train_eagle import evaluate_eagle, print_accuracies_by_kind
     from tooling.training.train_eagle3 import evaluate_eagle3
 
     model = {"model": args.model} if args.model else {}
     llm = LLM(**model, decoder={"load_shipped_drafters": False})
     evaluate = evaluate_eagle3 if args.kind == "eagle3" else evaluate_eagle
     accuracies = evaluate(llm, args.drafter, Path(args.data), args.depth)
-    print_accuracies(accuracies)
+    print_accuracies_by_kind(accuracies)
     return 0
 
 

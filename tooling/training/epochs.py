@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.toolkit import TrainedDrafter, target_signature
-from tooling.training.self_distillation import progress_bar
+from tooling.training.self_distillation import ALL_ANSWERS, progress_bar
 
 CHECKPOINT_FILE = "checkpoint.pt"
 CURVE_START = 50_000  # answer tokens at the learning curve's first point; then doubling
@@ -173,14 +173,19 @@ def write_drafter(
     kind: str,
     network: nn.Module,
     vocab: torch.Tensor,
-    accuracies: list[list[float]],
+    accuracies: list[list[float]] | dict[str, list[list[float]]],
     model,
     options,
     num_answer_tokens: int,
     run: TrainingRun,
 ) -> TrainedDrafter:
-    """The trained drafter, saved to ``options.output`` with how it was trained."""
+    """The trained drafter, saved to ``options.output`` with how it was trained.
+    ``accuracies``: held-out top-i per depth, or those by answer kind (``by_answer_kind``:
+    the drafter keeps all answers', the record each kind's top-1)."""
     minutes = (time.monotonic() - run.started) / 60
+    by_kind = accuracies if isinstance(accuracies, dict) else {}
+    if by_kind:
+        accuracies = by_kind[ALL_ANSWERS]
     drafter = TrainedDrafter(
         kind,
         network,
@@ -196,12 +201,21 @@ def write_drafter(
             **({"started_from": run.started_from} if run.started_from else {}),
             "epoch_losses": run.epoch_losses,
             "learning_curve": run.learning_curve,
+            **_top1_by_kind(by_kind),
             "minutes": round(minutes, 1),
         },
     )
     drafter.save(options.output)
     print(f"drafter written to {options.output} ({minutes:.1f} min)")
     return drafter
+
+
+def _top1_by_kind(by_kind: dict[str, list[list[float]]]) -> dict:
+    """The record's held-out top-1 per depth by answer kind, where the split mixes kinds."""
+    if len(by_kind) < 2:
+        return {}
+    top1 = {kind: [round(row[0], 4) for row in rows] for kind, rows in by_kind.items()}
+    return {"held_out_top1_by_answer_kind": top1}
 
 
 def _data_description(options) -> str:

@@ -161,6 +161,7 @@ def sequence_features(
 
 
 FEATURES_FILE = "features.pt"
+ALL_ANSWERS = "all answers"  # the key of a split's whole held-out score beside its kinds'
 
 
 @dataclass
@@ -176,6 +177,20 @@ class FeatureSplit:
     # Index of the first conversation in its shards' order (``load_split`` skipping some): what
     # per-shard caches beside the shards (``layer_cache``) are indexed by.
     first: int = 0
+    # Per sequence, the temperature its answers were sampled at (0: greedy); None: not known.
+    temperatures: list[float] | None = None
+
+    def answer_kinds(self) -> dict[str, list[int]]:
+        """Sequence indices by how their answers were made: greedy answers, whose every token
+        is the target's own argmax (a drafter's accuracy on them is its greedy acceptance),
+        and sampled ones, whose tokens a drafter can match only as often as the target's
+        argmax does. Empty without temperatures."""
+        if self.temperatures is None:
+            return {}
+        kinds = {"greedy answers": [], "sampled answers": []}
+        for i, t in enumerate(self.temperatures):
+            kinds["greedy answers" if t == 0 else "sampled answers"].append(i)
+        return {kind: index for kind, index in kinds.items() if index}
 
     def answer_spans(self, i: int) -> list[tuple[int, int]]:
         """[start, end) of sequence ``i``'s answer tokens, turn by turn."""

@@ -366,7 +366,7 @@ def load_split(directory: Path, max_answer_tokens: int | None = None, skip_answe
     paths = shard_paths(Path(directory))
     if not paths:
         raise ValueError(f"{directory}: no shards (make them with `specserve train data`)")
-    split = FeatureSplit([], [], [], [])
+    split = FeatureSplit([], [], [], [], temperatures=[])
     total = 0
     for path in paths:
         for c in load_shard(path):
@@ -380,6 +380,7 @@ def load_split(directory: Path, max_answer_tokens: int | None = None, skip_answe
             split.starts.append(c.spans[0][0])
             split.features.append(c.features)
             split.spans.append(c.spans)
+            split.temperatures.append(c.temperature)
             total += c.answer_tokens
     return split
 

@@ -28,6 +28,7 @@ from engine.toolkit import EagleNetwork, TrainedDrafter
 from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, curve_recorder, train_epochs, write_drafter
 from tooling.training.self_distillation import (
+    ALL_ANSWERS,
     FeatureSplit,
     answer_mask,
     padded,
@@ -177,11 +178,12 @@ def _losses(outputs, features, readout, answer, regression: bool = True,
 
 @torch.no_grad()
 def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, vocab, vocab_size,
-                        depth, top_k, batch=8, inputs_of=None,
-                        head=None) -> list[list[float]]:  # fmt: skip
+                        depth, top_k, batch=8, inputs_of=None, head=None,
+                        only: list[int] | None = None) -> list[list[float]]:  # fmt: skip
     """[depth][i]: how often the i-th candidate at each depth is the target's next token.
     ``inputs_of(index, features)``: what depth 1 reads instead of the target's features;
-    ``head``: the drafter's own readout instead of ``readout``'s rows."""
+    ``head``: the drafter's own readout instead of ``readout``'s rows; ``only``: these
+    sequences of the split (default: all)."""
     head = head or (lambda out: out @ readout.T)
     hits = torch.zeros(depth, top_k)
     seen = torch.zeros(depth)
@@ -189,8 +191,9 @@ def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, v
     # a candidate), a position past the end is no label (-1, left out by the mask anyway).
     to_row = torch.full((vocab_size,), -2, dtype=torch.long)
     to_row[vocab] = torch.arange(len(vocab))
-    for first in range(0, len(split.sequences), batch):
-        index = list(range(first, min(first + batch, len(split.sequences))))
+    chosen = list(range(len(split.sequences))) if only is None else list(only)
+    for first in range(0, len(chosen), batch):
+        index = chosen[first : first + batch]
         embeddings, features, following, answer = _batch(split, index, embed)
         rope = rope_of(features.shape[:2])
         reads = features if inputs_of is None else inputs_of(index, features)
@@ -253,29 +256,50 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     train_epochs(
         network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step
     )
-    accuracies = held_out_accuracies(
-        network, rope_of, splits["held_out"], model.embed, readout, vocab, arch.vocab_size,
-        options.depth, options.top_k,
+    accuracies = by_answer_kind(
+        lambda only: held_out_accuracies(
+            network, rope_of, held_out, model.embed, readout, vocab, arch.vocab_size,
+            options.depth, options.top_k, only=only,
+        ),
+        held_out,
     )  # fmt: skip
-    print_accuracies(accuracies)
+    print_accuracies_by_kind(accuracies)
     return write_drafter("eagle", network, vocab, accuracies, model, options, int(len(labels)), run)
 
 
-def print_accuracies(accuracies: list[list[float]]) -> None:
+def print_accuracies(accuracies: list[list[float]], what: str = "") -> None:
     """Held-out top-i accuracy per depth, and the accepted drafts a chain of each length
     should then get (the product of the depths' top-1 accuracies, summed)."""
     chain, expected = 1.0, 0.0
     for s, row in enumerate(accuracies, start=1):
         chain *= row[0]
         expected += chain
-        print(f"held-out depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
+        print(f"held-out{what} depth {s}: top-i accuracy " + ", ".join(f"{a:.1%}" for a in row)
               + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
+
+
+def by_answer_kind(score, split: FeatureSplit) -> dict[str, list[list[float]]]:
+    """``score(only)`` (``held_out_accuracies`` over the sequences ``only``) over the whole
+    split, then over each kind of answer it mixes: on greedy answers the next token is the
+    target's argmax, so the accuracy there is what greedy decoding accepts; on sampled ones
+    no drafter can match the sampled token more often than the target's argmax does."""
+    result = {ALL_ANSWERS: score(None)}
+    kinds = split.answer_kinds()
+    if len(kinds) > 1:
+        result.update({kind: score(index) for kind, index in kinds.items()})
+    return result
+
+
+def print_accuracies_by_kind(accuracies: dict[str, list[list[float]]]) -> None:
+    for kind, rows in accuracies.items():
+        print_accuracies(rows, "" if kind == ALL_ANSWERS else f" ({kind})")
 
 
 def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top_k: int = 4):
     """Held-out top-i accuracy per depth of an EAGLE drafter (a directory, or the one shipped
-    for the model) on the held-out split of a ``specserve train data`` set: drafters trained
-    on different data compared on the same unseen conversations."""
+    for the model) on the held-out split of a ``specserve train data`` set, over all its
+    answers and by kind (``by_answer_kind``): drafters trained on different data compared on
+    the same unseen conversations."""
     from engine.toolkit import dense_weight, load_drafter
     from tooling.training.shards import load_split
 
@@ -286,7 +310,10 @@ def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top
 
     rope_of = padded_rope(model)
     split = load_split(Path(data) / "held_out")
-    return held_out_accuracies(
-        drafter.network.float(), rope_of, split, model.embed, readout, vocab,
-        model.arch.vocab_size, depth, top_k,
+    return by_answer_kind(
+        lambda only: held_out_accuracies(
+            drafter.network.float(), rope_of, split, model.embed, readout, vocab,
+            model.arch.vocab_size, depth, top_k, only=only,
+        ),
+        split,
     )  # fmt: skip

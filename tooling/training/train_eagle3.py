@@ -31,9 +31,10 @@ from tooling.training.train_eagle import (
     _batch,
     _first,
     _losses,
+    by_answer_kind,
     held_out_accuracies,
     padded_rope,
-    print_accuracies,
+    print_accuracies_by_kind,
     unrolled_outputs,
 )
 from tooling.training.train_heads import draft_vocabulary
@@ -123,11 +124,11 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
 
     sample = _first(held_out, CURVE_SAMPLE)
 
-    def accuracies(split, top_k: int) -> list[list[float]]:
+    def accuracies(split, top_k: int, only: list[int] | None = None) -> list[list[float]]:
         return held_out_accuracies(
             network, rope_of, split, model.embed, readout, vocab, arch.vocab_size,
             options.depth, top_k, inputs_of=lambda index, _: fused("held_out", index),
-            head=network.logits,
+            head=network.logits, only=only,
         )  # fmt: skip
 
     after_step = curve_recorder(
@@ -139,8 +140,8 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     train_epochs(
         network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step
     )
-    result = accuracies(held_out, options.top_k)
-    print_accuracies(result)
+    result = by_answer_kind(lambda only: accuracies(held_out, options.top_k, only), held_out)
+    print_accuracies_by_kind(result)
     return write_drafter("eagle3", network, vocab, result, model, options, int(len(labels)), run)
 
 
@@ -157,9 +158,12 @@ def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: i
     inputs = layer_features(model, split.sequences, layers, "held-out", Path(data) / "held_out")
 
     rope_of = padded_rope(model)
-    return held_out_accuracies(
-        network, rope_of, split, model.embed, dense_weight(model.lm_head)[vocab].float(), vocab,
-        model.arch.vocab_size, depth, top_k,
-        inputs_of=lambda index, _: network.fuse(padded([inputs[i] for i in index]).float()),
-        head=network.logits,
+    readout = dense_weight(model.lm_head)[vocab].float()
+    return by_answer_kind(
+        lambda only: held_out_accuracies(
+            network, rope_of, split, model.embed, readout, vocab, model.arch.vocab_size, depth,
+            top_k, head=network.logits, only=only,
+            inputs_of=lambda index, _: network.fuse(padded([inputs[i] for i in index]).float()),
+        ),
+        split,
     )  # fmt: skip
