@@ -25,6 +25,15 @@ def test_two_drafters_share_one_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_every_run_of_a_long_chain_is_drawn(tmp_path):
+    runs = [
+        _drafter(tmp_path / f"run{i}", "eagle3", [[50_000, [0.5 + i / 100]]]) for i in range(6)
+    ]
+    out = tmp_path / "chain.png"
+    assert plot(runs, out, []) == [f"run{i}" for i in range(6)]
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_a_drafter_without_a_curve_is_named(tmp_path):
     bare = _drafter(tmp_path / "bare", "eagle", [])
     with pytest.raises(ValueError, match="bare: no learning curve"):

@@ -13,6 +13,7 @@ trained on from another (``--init-from``) is drawn from where that one's data en
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -28,20 +29,25 @@ def curve_points(training: dict, name) -> tuple[list[int], list]:
     return [offset + point[0] for point in curve], curve
 
 
-def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") -> None:
+def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") -> list[str]:
+    """Draw the drafters' curves (and ``marks``) into ``output``; returns the names drawn.
+    Line styles repeat after four drafters: a chain of warm starts (each run from where the
+    last one's data ended) needs no style of its own to be told apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for style, drafter in zip(("-", "--", ":", "-."), drafters, strict=False):
+    drawn = []
+    for style, drafter in zip(itertools.cycle(("-", "--", ":", "-.")), drafters):
         config = json.loads((drafter / "config.json").read_text())
         tokens, curve = curve_points(config["training"], drafter)
         for depth in range(len(curve[0][1])):
             ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
                     linestyle=style, color=f"C{depth}",
                     label=f"{drafter.name}, depth {depth + 1}")  # fmt: skip
+        drawn.append(drafter.name)
     for mark in marks:  # e.g. the shipped drafter scored by `specserve train evaluate`
         label, trained, accuracy = mark.rsplit(":", 2)
         ax.scatter([float(trained)], [100 * float(accuracy)], marker="x", color="black")
@@ -56,6 +62,8 @@ def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") 
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
+    plt.close(fig)
+    return drawn
 
 
 def main() -> int:
