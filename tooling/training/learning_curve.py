@@ -5,8 +5,9 @@ depth against the answer tokens trained on), as a PNG:
         [--output docs/eagle-learning-curve.png]
         [--mark "LABEL:TOKENS:ACCURACY" ...]   # other drafters on the same held-out set
 
-Several drafters (an ``eagle`` and an ``eagle3`` trained on the same data, say) share the
-axes: a colour per depth, a line style per drafter (named by its directory). A drafter
+Several drafters (an ``eagle`` and an ``eagle3`` trained on the same data, say, or a chain of
+warm starts) share the axes: a colour per depth, a line style per drafter, each named by its
+directory at the start of its curve. A drafter
 trained on from another (``--init-from``) is drawn from where that one's data ended.
 """
 
@@ -38,15 +39,20 @@ def plot(drafters: list[Path], output: Path, marks: list[str], title: str = "") 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 5))
     drawn = []
     for style, drafter in zip(itertools.cycle(("-", "--", ":", "-.")), drafters):
         config = json.loads((drafter / "config.json").read_text())
         tokens, curve = curve_points(config["training"], drafter)
         for depth in range(len(curve[0][1])):
+            # The legend names the depths (colours) once; each run is named on its curve.
             ax.plot(tokens, [100 * point[1][depth] for point in curve], marker="o",
                     linestyle=style, color=f"C{depth}",
-                    label=f"{drafter.name}, depth {depth + 1}")  # fmt: skip
+                    label=None if drawn else f"depth {depth + 1}")  # fmt: skip
+        # Alternate heights: a chain's runs start close together on the log axis.
+        ax.annotate(drafter.name, (tokens[0], 100 * curve[0][1][0]), textcoords="offset points",
+                    xytext=(0, 8 + 12 * (len(drawn) % 2)), fontsize=7, ha="center",
+                    arrowprops={"arrowstyle": "-", "lw": 0.5})  # fmt: skip
         drawn.append(drafter.name)
     for mark in marks:  # e.g. the shipped drafter scored by `specserve train evaluate`
         label, trained, accuracy = mark.rsplit(":", 2)
