@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -208,9 +209,19 @@ def test_new_conversations_arriving_together_are_shared_out_evenly():
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside both the kernel's ephemeral range (32768 on), where the cluster's
+    own components bind theirs while it starts (a port asked of the kernel here was once
+    taken by one of them before HAProxy bound it: "Address already in use"), and Ray's
+    worker ports (10002-19999)."""
+    rng = random.Random()
+    while True:
+        port = rng.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
 
 
 @pytest.fixture(scope="module", params=PROXIES)
