@@ -91,6 +91,21 @@ def _cmd_bench_constraints(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tooling.bench.bench_profile import ProfileOptions, run_profile_bench
+
+    options = ProfileOptions(
+        args.decoder or "autoregressive", args.steps, args.top,
+        Path(args.trace) if args.trace else None, args.prompt,
+    )  # fmt: skip
+    # --decoder names variants here, as in bench offline: the base config keeps its own.
+    config = engine_config_from_args(argparse.Namespace(**{**vars(args), "decoder": None}))
+    run_profile_bench(config, options)
+    return 0
+
+
 def _cmd_bench_decoders(args: argparse.Namespace) -> int:
     return _run_decoder_bench(args, args.decoders or args.decoder or "all")
 
@@ -209,6 +224,22 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     constraints.add_argument("--max-tokens", type=int, default=256)
     constraints.set_defaults(func=_cmd_bench_constraints)
+    profile = which.add_parser(
+        "profile",
+        help="where a decode step goes: ms, operators and device kernels a step, and the "
+        "operators by self time (torch.profiler), per decoder variant",
+        description="One greedy chat request per decoder variant (--decoder: autoregressive "
+        "and bench offline's variant names, comma-separated) on one engine: decode steps "
+        "timed unprofiled, then as many under torch.profiler, counting the operators called "
+        "a step, the kernels the device ran and the launches (a CUDA graph replay is one), "
+        "with the operators that took the most self time.",
+    )
+    add_model_arguments(profile, decoder_choices=False)
+    profile.add_argument("--steps", type=int, default=32, help="decode steps a pass")
+    profile.add_argument("--top", type=int, default=12, help="operators listed per variant")
+    profile.add_argument("--trace", help="also write each variant's Chrome trace in this folder")
+    profile.add_argument("--prompt", help="the user message (default: the chat set's first)")
+    profile.set_defaults(func=_cmd_bench_profile)
     serve = which.add_parser(
         "serve",
         help="concurrent streaming chat: throughput, TTFT and ITL vs transformers serve",
