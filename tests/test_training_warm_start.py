@@ -164,3 +164,48 @@ def test_the_command_line_checks_the_data_range(tiny_chat_model_dir, tmp_path, c
     with_data = [*base, "--data", str(tmp_path), "--data-tokens", "1M"]
     assert main([*with_data, "--data-from", "2M"]) == 2
     assert "--data-from must be below --data-tokens" in capsys.readouterr().err
+
+
+def test_a_grown_vocabulary_keeps_the_start_and_adds_the_most_frequent_labels():
+    from tooling.training.warm_start import grown_vocabulary
+
+    start = torch.tensor([5, 3])
+    labels = torch.tensor([1, 1, 1, 2, 2, 3, 5, 5, 7, -1, -100])
+    assert grown_vocabulary(start, labels, 4).tolist() == [5, 3, 1, 2]
+    assert grown_vocabulary(start, labels, 1).tolist() == [5, 3]  # never cut
+    assert grown_vocabulary(start, labels, 10).tolist() == [5, 3, 1, 2, 7]  # labels that occur
+
+
+def test_an_eagle3_warm_start_grows_its_head_with_the_targets_rows(target, tmp_path):
+    from engine.toolkit import SamplingParams, dense_weight
+    from tooling.training.train_eagle3 import Eagle3TrainOptions, run_train_eagle3
+
+    common = dict(max_tokens=24, depth=2, top_k=2, epochs=1, batch_size=8,
+                  prompts=(TRAIN, HELD), feature_layers=(0, 1, 2))  # fmt: skip
+    first = run_train_eagle3(target, Eagle3TrainOptions(
+        output=tmp_path / "first", draft_vocab_size=24, learning_rate=3e-3, **common,
+    ))  # fmt: skip
+    grown = run_train_eagle3(target, Eagle3TrainOptions(
+        output=tmp_path / "grown", draft_vocab_size=48, learning_rate=0.0,
+        init_from=str(tmp_path / "first"), **common,
+    ))  # fmt: skip
+    vocab = grown.draft_vocab
+    assert torch.equal(vocab[:24], first.draft_vocab)
+    assert 24 < len(vocab) <= 48 and len(set(vocab.tolist())) == len(vocab)
+    assert grown.network.shape["draft_vocab_size"] == len(vocab)
+    before, after = _tensors(tmp_path / "first"), _tensors(tmp_path / "grown")
+    (head,) = [name for name in after if name.endswith("lm_head.weight")]
+    assert after[head].shape[0] == len(vocab)
+    torch.testing.assert_close(after[head][:24].float(), before[head].float())  # as trained
+    new_rows = dense_weight(target.engine.model.lm_head)[vocab[24:]].float()
+    torch.testing.assert_close(after[head][24:].float(), new_rows, atol=1e-2, rtol=1e-2)
+    # The engine drafts with it, and the output stays the target's.
+    llm = LLM(model=str(target.model_dir), kv_cache={"num_blocks": 256},
+              decoder={"method": "eagle3", "eagle3": {"drafter": str(tmp_path / "grown")},
+                       "draft_policy": "fixed", "num_speculative_tokens": 2})  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [TRAIN[0][:6], HELD[1][:6]]
+    drafted = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    plain = [o.outputs[0].token_ids for o in target.generate(prompts, params)]
+    assert drafted == plain
+    assert llm.engine.speculator.stats.num_draft_tokens > 0

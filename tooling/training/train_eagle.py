@@ -34,7 +34,7 @@ from tooling.training.self_distillation import (
     padded,
 )
 from tooling.training.train_heads import draft_vocabulary
-from tooling.training.warm_start import initial_drafter
+from tooling.training.warm_start import grown_vocabulary, initial_drafter
 
 # EAGLE's weights: regression 1, classification 0.1; deeper depths count less (EAGLE-3).
 CLASSIFICATION_WEIGHT, DEPTH_DECAY = 0.1, 0.8
@@ -222,6 +222,8 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     wanted = {} if options.input_norm else {"input_norm": False}
     start = initial_drafter(options, "eagle", EagleNetwork, model, run, wanted)
     vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
+    if start:  # EAGLE reads out through the target's rows: a grown vocabulary needs no head
+        vocab = grown_vocabulary(vocab, labels, options.draft_vocab_size)
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()

@@ -38,7 +38,7 @@ from tooling.training.train_eagle import (
     unrolled_outputs,
 )
 from tooling.training.train_heads import draft_vocabulary
-from tooling.training.warm_start import initial_drafter
+from tooling.training.warm_start import grown_vocabulary, initial_drafter
 
 
 @dataclass
@@ -80,6 +80,21 @@ def new_network(model, vocab: torch.Tensor, layers: tuple[int, ...]) -> Eagle3Ne
     return network
 
 
+def grow_head(network: Eagle3Network, trained: int, target_rows: torch.Tensor) -> None:
+    """The head over a grown draft vocabulary (``target_rows``: the target's LM head rows of
+    it): the first ``trained`` rows as the network learnt them, the new ones the target's own,
+    as a new network's head starts."""
+    if len(target_rows) == trained:
+        return
+    old = network.lm_head.weight.detach()
+    head = torch.nn.Linear(old.shape[1], len(target_rows), bias=False)
+    with torch.no_grad():
+        head.weight.copy_(target_rows.float())
+        head.weight[:trained] = old[:trained]
+    network.lm_head = head
+    network.shape["draft_vocab_size"] = len(target_rows)
+
+
 def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     from engine.toolkit import dense_weight
 
@@ -98,6 +113,9 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     train, held_out = splits["train"], splits["held_out"]
     labels = train.answer_labels()
     vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
+    if start:
+        vocab = grown_vocabulary(vocab, labels, options.draft_vocab_size)
+        grow_head(start.network, len(start.draft_vocab), dense_weight(model.lm_head)[vocab])
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()  # the teacher's rows

@@ -6,11 +6,29 @@ learning-rate schedule start afresh."""
 
 from __future__ import annotations
 
+import torch
+
 from engine.toolkit import TrainedDrafter, load_drafter
 from tooling.training.epochs import TrainingRun
 
 # ``--init-from shipped``: the drafter specserve ships for the model.
 SHIPPED = "shipped"
+
+
+def grown_vocabulary(start: torch.Tensor, labels: torch.Tensor, size: int) -> torch.Tensor:
+    """A warm start's draft vocabulary for a run that asks for ``size`` tokens: the start's,
+    in its order (its trained rows stay where they are), then the most frequent label tokens
+    it lacks, up to ``size`` in all. Never cut: a start with ``size`` tokens or more keeps its
+    own. A target token outside the vocabulary can never be drafted, so the bench's answers
+    that fall outside it (SmolLM2, 4096 tokens: 13% of chat, 17% of grounded answers' tokens)
+    are steps that no training of the drafter can win."""
+    if size <= len(start):
+        return start
+    labels = labels[labels >= 0]
+    counts = torch.bincount(labels, minlength=int(max(labels.max(), start.max())) + 1)
+    counts[start] = 0
+    extra = counts.topk(min(size - len(start), int((counts > 0).sum()))).indices
+    return torch.cat([start, extra.to(start.dtype)])
 
 
 def initial_drafter(options, kind: str, network_class: type, model, run: TrainingRun,
