@@ -42,4 +42,4 @@ def test_the_tests_it_runs_exist_and_the_steps_fit_one_call():
     for path in (a for a in pytest_args if a.startswith("tests/")):
         assert (REPO / path).is_file(), path
     assert sum(seconds for _, seconds, _ in steps) <= CALL_LIMIT_S - 30  # start-up and copies
-    assert re.search(r"python3 -m tooling\.cli", SCRIPT.read_text())  # bench is tooling's
+    assert re.search(r"command=\(python3 -m tooling\.cli ", SCRIPT.read_text())  # bench: tooling

@@ -10,21 +10,23 @@
 #                        autoregressive decoding, greedy identity per row
 #   offline.txt          decode tokens/s and TTFT against transformers
 #
-# DEVICE=cpu MAX_TOKENS=8 STEPS=4 runs the same steps on a CPU (a dry run of the script).
+# DEVICE=cpu MAX_TOKENS=8 STEPS=4 runs the same steps on a CPU (a dry run of the script; put the
+# project's environment first on PATH: `PATH=.venv/bin:$PATH`).
 set -u
 OUT=${OUT:-/tmp/gpu-step-check}
 DEVICE=${DEVICE:-cuda}
 MAX_TOKENS=${MAX_TOKENS:-128}
 STEPS=${STEPS:-32}
 mkdir -p "$OUT"
-# The whole command (bench lives in tooling.cli; server.cli has the runtime commands only).
-specserve() { python3 -m tooling.cli "$@"; }
-
 step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.txt, and say how it ended
   local name=$1 seconds=$2
   shift 2
+  local command=("$@")
+  # `timeout` runs programs, not shell functions: `specserve` is the whole command line tool
+  # (bench lives in tooling.cli; server.cli, which env.sh's function runs, has no bench).
+  [ "${command[0]}" = specserve ] && command=(python3 -m tooling.cli "${command[@]:1}")
   local started=$SECONDS
-  timeout "$seconds" "$@" >"$OUT/$name.txt" 2>&1
+  timeout "$seconds" "${command[@]}" >"$OUT/$name.txt" 2>&1
   local rc=$?
   echo "$name: rc=$rc in $((SECONDS - started)) s" | tee -a "$OUT/summary.txt"
 }
