@@ -34,7 +34,11 @@ def test_measures_every_candidate_at_every_bucket_and_picks_the_fastest():
     assert [rows for rows, _ in plan[:-1]] == list(ROW_BUCKETS[:-1])
     assert plan[-1][0] > 10**9  # the last winner serves every larger row count
     for (_, name), bucket in zip(plan, ROW_BUCKETS, strict=True):
-        fastest = min(result.seconds[bucket].values())
+        # A bucket timed twice is decided by the pair timed again alone: a third candidate's
+        # first time, never confirmed, may read faster on a busy machine (seen in a CI run).
+        rivals = result.confirmed.get(bucket) or tuple(result.seconds[bucket])
+        assert name in rivals
+        fastest = min(result.seconds[bucket][n] for n in rivals)
         assert result.seconds[bucket][name] <= fastest * (1 + autotune_module.TIE_MARGIN)
 
 

@@ -339,14 +339,20 @@ void cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
                   out.sizes() == q.sizes(), "cache or output shape mismatch");
   static const AttendFn attend_here = attend_for_this_cpu();
-  at::parallel_for(0, members * g.kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One task per (member, KV head, query row): rows are independent (each computes exactly what
+  // it would alone), and a verification step has few members, so tasks per row keep both cores
+  // busy: with one per (member, KV head), SmolLM2's three KV heads split 2 + 1 over two threads
+  // whatever the rows, and each task carried all of them.
+  const Geometry one_row{g.heads, g.kv_heads, g.dim, g.keys, 1};
+  at::parallel_for(0, members * g.kv_heads * g.queries, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g.heads / g.kv_heads * g.keys);
     std::vector<int64_t> kept(m ? g.keys : 0);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t i = t / g.kv_heads, kvh = t % g.kv_heads;
+      const int64_t j = t % g.queries, kvh = t / g.queries % g.kv_heads;
+      const int64_t i = t / (g.queries * g.kv_heads), row = i * g.queries + j;
       attend_here(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                  rows + i * g.queries, slots + i * g.keys, m ? m + i * g.queries * g.keys : nullptr,
-                  ok ? ok + i * g.queries : nullptr, g, kvh, float(scale), out.data_ptr<float>(),
+                  rows + row, slots + i * g.keys, m ? m + row * g.keys : nullptr,
+                  ok ? ok + row : nullptr, one_row, kvh, float(scale), out.data_ptr<float>(),
                   scores.data(), kept.data());
     }
   });

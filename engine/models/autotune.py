@@ -58,8 +58,10 @@ class GroupResult:
     # Stored bytes one timed pass multiplied, per bucket (a slice of the weights for many rows).
     pass_bytes: dict[int, int] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why
-    # Buckets decided by the second measurement (see measure_group), not by _winner.
+    # Buckets decided by the second measurement (see measure_group), not by _winner, and the
+    # two candidates it timed again (the others keep their first, unconfirmed times).
     chosen: dict[int, str] = field(default_factory=dict)
+    confirmed: dict[int, tuple[str, str]] = field(default_factory=dict)
 
     def plan(self) -> list[tuple[int, str]]:
         plan = [
@@ -168,6 +170,7 @@ def measure_group(key: str, layers: list[QuantizedLinear]) -> GroupResult:
             # Only the confirmed pair decides (a third candidate's first pass was not
             # confirmed): the later-listed one wins only if it won again.
             result.chosen[rows] = best if _winner(again) == best else first
+            result.confirmed[rows] = (first, best)
         # Every candidate is measured at every bucket: the one far behind with one row
         # (dequantize-then-BLAS) is the one that wins with hundreds.
         result.seconds[rows] = times
