@@ -175,8 +175,9 @@ def run_profile_bench(config: EngineConfig, options: ProfileOptions) -> list[Ste
             engine.use_speculator(None)
             k = 0
         else:
-            k = config.decoder.num_speculative_tokens
-            decoder = decoder_config(config.decoder, variants[name], k)
+            decoder = decoder_config(
+                config.decoder, variants[name], config.decoder.num_speculative_tokens
+            )
             # Exactly what the variant's config loads, not the shipped drafters besides.
             only = decoder.model_copy(update={"load_shipped_drafters": False})
             speculator = engine.build_speculator(only)

@@ -221,9 +221,13 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
     # (EAGLE's shape stores input_norm only when it is off.)
     wanted = {} if options.input_norm else {"input_norm": False}
     start = initial_drafter(options, "eagle", EagleNetwork, model, run, wanted)
-    vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
-    if start:  # EAGLE reads out through the target's rows: a grown vocabulary needs no head
-        vocab = grown_vocabulary(vocab, labels, options.draft_vocab_size)
+    # EAGLE reads out through the target's rows: a warm start's grown vocabulary needs no head.
+    size = options.draft_vocab_size
+    vocab = (
+        grown_vocabulary(start.draft_vocab, labels, size)
+        if start
+        else draft_vocabulary(labels, size)
+    )
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()

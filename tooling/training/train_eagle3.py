@@ -112,9 +112,13 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     splits = training_splits(llm, options, root)
     train, held_out = splits["train"], splits["held_out"]
     labels = train.answer_labels()
-    vocab = start.draft_vocab if start else draft_vocabulary(labels, options.draft_vocab_size)
+    size = options.draft_vocab_size
+    vocab = (
+        grown_vocabulary(start.draft_vocab, labels, size)
+        if start
+        else draft_vocabulary(labels, size)
+    )
     if start:
-        vocab = grown_vocabulary(vocab, labels, options.draft_vocab_size)
         grow_head(start.network, len(start.draft_vocab), dense_weight(model.lm_head)[vocab])
     covered = torch.isin(labels, vocab).float().mean().item()
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
