@@ -22,7 +22,7 @@ pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: specser
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from server.cli_serve import replica_arguments  # noqa: E402
-from server.ray_serve.app import ClusterPlan  # noqa: E402
+from server.ray_serve.app import ClusterPlan, replica_start_failure  # noqa: E402
 from server.ray_serve.cluster_env import (  # noqa: E402
     CONTROL_LOOP_ENV,
     CONTROL_LOOP_SECONDS,
@@ -37,7 +37,7 @@ from server.ray_serve.prefix_keys import (  # noqa: E402
     prompt_text,
     request_prefix_hashes,
 )
-from server.ray_serve.replica import parse_gauges  # noqa: E402
+from server.ray_serve.replica import REPLICA_START_FAILED, StderrTail, parse_gauges  # noqa: E402
 from tooling.bench.bench_ray import replica_processes  # noqa: E402
 
 # ------------------------------------------------------------------------------- no cluster
@@ -422,6 +422,39 @@ def test_a_tether_killed_outright_takes_its_server_with_it(tiny_chat_model_dir):
         assert not _alive(server), "the server outlived its tether"
     finally:
         tether.kill()
+
+
+def test_a_replica_whose_server_cannot_start_says_why(tiny_chat_model_dir, tmp_path, capfd):
+    """The replica's server runs under its tether, as in a replica; its stderr still reaches
+    the worker's log, and the replica's error (which Ray's status and then `specserve serve
+    --replicas` report) carries the server's own reason, not only an exit code."""
+    config = tmp_path / "small_cache.yaml"
+    config.write_text("kv_cache:\n  num_blocks: 4\n")
+    repo = Path(__file__).resolve().parents[1]
+    tether = subprocess.Popen(
+        [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()), "t", "serve",
+         "--model", str(tiny_chat_model_dir), "--config", str(config), "--port", str(_free_port())],
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    tail = StderrTail(tether.stderr)
+    assert tether.wait(timeout=120) != 0
+    reason = tail.reason()
+    assert reason.startswith("error: engine failed to start")
+    assert "KV cache holds 64 tokens" in reason
+    assert "KV cache holds 64 tokens" in capfd.readouterr().err  # relayed, not swallowed
+
+
+def test_the_replicas_start_failure_is_found_in_ray_s_status_messages():
+    traceback_text = (
+        "The deployment failed to start 3 times in a row. Error:\n"
+        "Traceback (most recent call last):\n  File \"replica.py\", line 85, in __init__\n"
+        f"RuntimeError: {REPLICA_START_FAILED} with 1: error: engine failed to start: boom\n"
+    )
+    assert replica_start_failure(["", traceback_text]) == (
+        f"{REPLICA_START_FAILED} with 1: error: engine failed to start: boom"
+    )
+    assert replica_start_failure(["Deploying", "the ingress failed"]) is None
 
 
 def _alive(pid: int) -> bool:

@@ -52,9 +52,11 @@ def _cmd_bench_serve(args: argparse.Namespace) -> int:
 
         if not args.url or args.turns < 1:
             raise ValueError("--conversations needs --url (a running server) and --turns >= 1")
+        if args.think_time < 0:
+            raise ValueError("--think-time must be at least 0")
         models = httpx_models(args.url)
         print_conversations(args.url, args.model or models[0], args.conversations, args.turns,
-                            args.max_tokens)  # fmt: skip
+                            args.max_tokens, args.think_time)  # fmt: skip
         return 0
     if args.compare:
         concurrencies = [int(c) for c in args.concurrencies.split(",") if c.strip()]
@@ -280,6 +282,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
         "carrying its history: TTFT and the prefix-cache hit rate (prefix-aware routing)",
     )
     serve.add_argument("--turns", type=int, default=6, help="with --conversations")
+    serve.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="with --conversations: mean seconds a conversation pauses before each turn "
+        "(exponential, seeded), so conversations run out of step as real users do (default 0: "
+        "in lockstep)",
+    )
     serve.set_defaults(func=_cmd_bench_serve)
     ray = which.add_parser(
         "ray",

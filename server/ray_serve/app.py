@@ -14,6 +14,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 
+from server.ray_serve.replica import REPLICA_START_FAILED
 from server.ray_serve.router import DEFAULT_IMBALANCE
 
 
@@ -131,6 +132,24 @@ def build(args: dict):
     return application(plan)
 
 
+def replica_start_failure(messages: list[str]) -> str | None:
+    """Why a replica's server failed to start, from Ray's deployment status messages (they
+    carry the replica constructor's traceback), or None if none of them says."""
+    for message in messages:
+        for line in reversed(message.splitlines()):
+            if REPLICA_START_FAILED in line:
+                return line[line.index(REPLICA_START_FAILED) :].strip()
+    return None
+
+
+def _deployment_messages(status) -> list[str]:
+    return [
+        deployment.message or ""
+        for app in status.applications.values()
+        for deployment in app.deployments.values()
+    ] + [app.message or "" for app in status.applications.values()]
+
+
 def run(plan: ClusterPlan, host: str, port: int, ray_address: str | None) -> None:
     """Start (or join) a Ray cluster, deploy ``plan`` on ``host:port``, serve until stopped."""
     # Ray: an optional extra, loaded only when a cluster is used.
@@ -152,7 +171,13 @@ def run(plan: ClusterPlan, host: str, port: int, ray_address: str | None) -> Non
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         serve.start(http_options={"host": host, "port": port})
-        serve.run(application(plan), name="specserve", route_prefix="/", blocking=True)
+        try:
+            serve.run(application(plan), name="specserve", route_prefix="/", blocking=True)
+        except RuntimeError as exc:  # Ray says only "failed to update the deployments"
+            reason = replica_start_failure(_deployment_messages(serve.status()))
+            if reason is None:
+                raise
+            raise ValueError(f"the replicas failed to start: {reason}") from exc
     finally:
         serve.shutdown()
         if started:

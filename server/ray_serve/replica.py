@@ -18,17 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import deque
 
 import httpx
 
 from server.ray_serve.proxied import Lease, ProxiedRequest
 from server.ray_serve.registry import registry
 
+REPLICA_START_FAILED = "the replica's specserve serve exited"  # app.py finds it in Ray's status
 START_TIMEOUT_S = 600.0  # a first start may pull the model and tune the kernels
 # A lease whose ingress never ends it (the ingress died mid-request) ends by itself: only the
 # replica's count of ongoing requests was wrong meanwhile.
@@ -56,6 +59,31 @@ def parse_gauges(metrics_text: str, names: dict[str, str]) -> dict[str, float]:
     return found
 
 
+class StderrTail:
+    """Relays a child's stderr line by line to our own (Ray's logs keep it) and keeps the last
+    lines, so that a server that fails to start can say why in the replica's error: the
+    cluster's operator reads that error, not the worker log it would otherwise be buried in."""
+
+    def __init__(self, stream, keep: int = 40):
+        self.lines: deque[str] = deque(maxlen=keep)
+        self._thread = threading.Thread(target=self._relay, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _relay(self, stream) -> None:
+        for line in iter(stream.readline, ""):
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            self.lines.append(line.rstrip("\n"))
+
+    def reason(self, timeout: float = 5.0) -> str:
+        """The child's own ``error: ...`` line (the CLI's way of failing), else its last
+        line; call once it has exited (waits up to ``timeout`` for its last lines)."""
+        self._thread.join(timeout)
+        lines = [line for line in self.lines if line.strip()]
+        errors = [line for line in lines if re.match(r"(specserve \w+: )?error:", line)]
+        return (errors or lines or ["(no output)"])[-1]
+
+
 ROUTING_GAUGES = {
     "specserve:num_requests_running": "running",
     "specserve:num_requests_waiting": "waiting",
@@ -79,7 +107,9 @@ class SpecserveReplica:
         command = [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()),
                    self.replica_id, "serve", *serve_args, "--host", self.host,
                    "--port", str(self.port)]  # fmt: skip
-        self.process = subprocess.Popen(command, start_new_session=True)
+        self.process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE,
+                                        text=True, errors="replace")  # fmt: skip
+        self.stderr = StderrTail(self.process.stderr)
         self.base = f"http://{self.host}:{self.port}"
         self.client = httpx.AsyncClient(base_url=self.base, timeout=None)
         self._wait_until_ready()
@@ -89,7 +119,9 @@ class SpecserveReplica:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"specserve serve exited with {self.process.returncode}")
+                raise RuntimeError(
+                    f"{REPLICA_START_FAILED} with {self.process.returncode}: {self.stderr.reason()}"
+                )
             try:
                 if httpx.get(f"{self.base}/health", timeout=2.0).status_code == 200:
                     return

@@ -10,12 +10,19 @@ found in the cache / looked up, from the server's ``/metrics`` before and after,
 replicas when the URL is a Ray Serve application). Run it against a cluster routed by prefix
 and one routed by power of two choices (``specserve serve --replicas 2 --routing pow2``) to
 compare them.
+
+Real users pause between turns: ``think_time`` (mean seconds, exponential, seeded per
+conversation) is waited before every turn, the first included, so conversations start and
+move out of step. In lockstep (no think time) arrivals keep their order turn after turn, and
+even Ray's power of two choices keeps a conversation where it was; apart, each turn meets
+queues of other lengths and power of two choices moves it about half the time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import random
 import statistics
 import time
 
@@ -37,6 +44,15 @@ async def _prefix_counters(client: httpx.AsyncClient, url: str) -> tuple[float, 
             if name in totals:
                 totals[name] += sample.value
     return totals[HITS], totals[QUERIES]
+
+
+def think_times(index: int, turns: int, mean_s: float, seed: int = 0) -> list[float]:
+    """Seconds conversation ``index`` waits before each of its turns: exponential with mean
+    ``mean_s`` (all zero when it is 0), the same for the same index and seed."""
+    if mean_s <= 0:
+        return [0.0] * turns
+    rng = random.Random(f"{seed}:{index}")
+    return [rng.expovariate(1.0 / mean_s) for _ in range(turns)]
 
 
 def _system_prompt(index: int) -> str:
@@ -70,7 +86,7 @@ async def _turn(client, url, model, messages, max_tokens) -> tuple[float, str, i
 
 
 async def run_conversations(url: str, model: str, conversations: int, turns: int,
-                            max_tokens: int) -> dict:  # fmt: skip
+                            max_tokens: int, think_time: float = 0.0) -> dict:  # fmt: skip
     """Returns ``ttft_mean``, ``ttft_p50``, ``ttft_p90`` (s), ``tokens_per_s`` and
     ``prefix_hit_rate`` of the load."""
     async with httpx.AsyncClient(timeout=600) as client:
@@ -81,7 +97,8 @@ async def run_conversations(url: str, model: str, conversations: int, turns: int
 
         async def conversation(index: int) -> None:
             messages = [{"role": "system", "content": _system_prompt(index)}]
-            for turn in range(turns):
+            for turn, pause in enumerate(think_times(index, turns, think_time)):
+                await asyncio.sleep(pause)
                 messages.append({"role": "user", "content": f"Question {turn + 1}, please?"})
                 ttft, text, count, replica = await _turn(client, url, model, messages,
                                                          max_tokens)  # fmt: skip
@@ -110,11 +127,16 @@ async def run_conversations(url: str, model: str, conversations: int, turns: int
     }
 
 
-def print_conversations(url: str, model: str, conversations: int, turns: int, max_tokens: int):
-    result = asyncio.run(run_conversations(url, model, conversations, turns, max_tokens))
+def print_conversations(url: str, model: str, conversations: int, turns: int, max_tokens: int,
+                        think_time: float = 0.0):  # fmt: skip
+    result = asyncio.run(
+        run_conversations(url, model, conversations, turns, max_tokens, think_time)
+    )
     ms = {k: result[k] * 1e3 for k in ("ttft_mean", "ttft_p50", "ttft_p90")}
     print(
-        f"{conversations} conversations x {turns} turns at {url}: "
+        f"{conversations} conversations x {turns} turns at {url}"
+        + (f" (think time {think_time:g} s)" if think_time > 0 else "")
+        + ": "
         f"prefix-cache hit rate {result['prefix_hit_rate']:.1%}, TTFT mean "
         f"{ms['ttft_mean']:.0f} ms (p50 {ms['ttft_p50']:.0f}, p90 {ms['ttft_p90']:.0f}), "
         f"{result['tokens_per_s']:.1f} output tok/s"
