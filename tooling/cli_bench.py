@@ -100,7 +100,7 @@ def _cmd_bench_profile(args: argparse.Namespace) -> int:
 
     options = ProfileOptions(
         args.decoder or "autoregressive", args.steps, args.top,
-        Path(args.trace) if args.trace else None, args.prompt,
+        Path(args.trace) if args.trace else None, args.prompt, args.python,
     )  # fmt: skip
     # --decoder names variants here, as in bench offline: the base config keeps its own.
     config = engine_config_from_args(argparse.Namespace(**{**vars(args), "decoder": None}))
@@ -241,6 +241,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     profile.add_argument("--top", type=int, default=12, help="operators listed per variant")
     profile.add_argument("--trace", help="also write each variant's Chrome trace in this folder")
     profile.add_argument("--prompt", help="the user message (default: the chat set's first)")
+    profile.add_argument(
+        "--python",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also a pass under cProfile: the interpreter's own time a step and the N Python "
+        "functions with the most self time",
+    )
     profile.set_defaults(func=_cmd_bench_profile)
     serve = which.add_parser(
         "serve",

@@ -12,12 +12,19 @@ variant this runs one greedy chat request on one engine and, after the prefill a
    launches, with the operators that took the most self time; ``--trace DIR`` also writes
    each variant's Chrome trace there.
 
-The profiler slows every operator call, so times come from the first pass and counts and
-shares from the second.
+With ``--python N`` a third pass runs under cProfile: the time the interpreter itself spent a
+step (self time of Python functions, the operators' own calls left out) and the N functions
+with the most self time. Where the device waits on the host (a GPU step far from its bandwidth
+floor), this says which Python code the step waits for.
+
+The profilers slow every call, so times come from the first pass and counts and shares from
+the others.
 """
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +53,15 @@ class ProfileOptions:
     top: int = 12
     trace_dir: Path | None = None
     prompt: str | None = None  # default: the first prompt of the chat set
+    python_top: int = 0  # > 0: a cProfile pass, listing this many Python functions
+
+
+@dataclass
+class PythonShare:
+    name: str  # file:line(function), or {built-in ...}
+    calls: float  # a step
+    self_us: float  # a step
+    cumulative_us: float  # a step
 
 
 @dataclass
@@ -68,12 +84,14 @@ class StepProfile:
     device_kernels: float  # a step: kernels the device ran (0 on a CPU)
     launches: float  # a step: kernel and graph launches (0 on a CPU)
     top: list[OperatorShare] = field(default_factory=list)
+    python_us: float | None = None  # a step: self time of interpreted Python functions
+    python_top: list[PythonShare] = field(default_factory=list)
 
 
 def _decode_request(llm: LLM, prompt: list[int], steps: int, k: int) -> None:
     """One greedy request long enough for the warm-up and both passes, prefilled."""
     engine = llm.engine
-    budget = (WARM_UP_STEPS + 2 * steps) * (k + 1) + 1
+    budget = (WARM_UP_STEPS + 3 * steps) * (k + 1) + 1
     params = SamplingParams(temperature=0, max_tokens=budget, ignore_eos=True)
     engine.add_request("profile", prompt, params)
     scheduler = engine.scheduler
@@ -137,6 +155,33 @@ def count_events(events, steps: int, top: int) -> tuple[float, float, float, lis
     )
 
 
+CHECKOUT = str(Path(__file__).resolve().parents[2]) + "/"
+
+
+def _function_name(key: tuple[str, int, str]) -> str:
+    """file:line(function), the file relative to the checkout or to site-packages."""
+    filename, line, function = key
+    if filename == "~":  # a built-in: C code, operators included
+        return function
+    if filename.startswith(CHECKOUT):
+        filename = filename[len(CHECKOUT) :]
+    elif "/site-packages/" in filename:
+        filename = filename.split("/site-packages/", 1)[1]
+    return f"{filename}:{line}({function})"
+
+
+def python_shares(stats: pstats.Stats, steps: int, top: int) -> tuple[float, list[PythonShare]]:
+    """(self time of interpreted functions a step in us, the ``top`` functions by self time,
+    built-ins included) from a cProfile run over ``steps`` steps."""
+    # (file, line, function) -> (primitive calls, calls, self, cumulative, callers)
+    entries = stats.stats
+    interpreted = sum(tt for key, (_, _, tt, _, _) in entries.items() if key[0] != "~")
+    ranked = sorted(entries.items(), key=lambda kv: -kv[1][2])[:top]
+    shares = [PythonShare(_function_name(key), nc / steps, 1e6 * tt / steps, 1e6 * ct / steps)
+              for key, (_, nc, tt, ct, _) in ranked]  # fmt: skip
+    return 1e6 * interpreted / steps, shares
+
+
 def profile_variant(llm: LLM, name: str, prompt: list[int], options: ProfileOptions,
                     timer: StepTimer, k: int) -> StepProfile:  # fmt: skip
     _decode_request(llm, prompt, options.steps, k)
@@ -145,13 +190,24 @@ def profile_variant(llm: LLM, name: str, prompt: list[int], options: ProfileOpti
         for _ in range(options.steps):
             llm.engine.step()
         _synchronize(llm)
+    python_us, python_top = None, []
+    if options.python_top > 0:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(options.steps):
+            llm.engine.step()
+        _synchronize(llm)
+        profiler.disable()
+        python_us, python_top = python_shares(
+            pstats.Stats(profiler), options.steps, options.python_top
+        )
     llm.engine.abort("profile")
     if options.trace_dir is not None:
         options.trace_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(options.trace_dir / f"{name}.json"))
     calls, kernels, launches, top = count_events(prof.events(), options.steps, options.top)
     return StepProfile(name, options.steps, ms, tokens, draft_ms, forward_ms, calls, kernels,
-                       launches, top)  # fmt: skip
+                       launches, top, python_us, python_top)  # fmt: skip
 
 
 def run_profile_bench(config: EngineConfig, options: ProfileOptions) -> list[StepProfile]:
@@ -159,6 +215,8 @@ def run_profile_bench(config: EngineConfig, options: ProfileOptions) -> list[Ste
     ``bench offline --decoder`` does), profiled; prints the tables and returns them."""
     if options.steps < 1:
         raise ValueError("--steps must be at least 1")
+    if options.python_top < 0:
+        raise ValueError("--python must be at least 0")
     plain = {"method": "autoregressive", "extra_methods": []}
     llm = LLM(config=config.with_overrides(decoder=plain))
     engine = llm.engine
@@ -211,3 +269,11 @@ def print_profiles(results: list[StepProfile], llm: LLM) -> None:
         for op in r.top:
             print(f"| {op.name} | {op.calls:.1f} | {op.self_cpu_us:.0f} | "
                   f"{op.self_device_us:.0f} |")  # fmt: skip
+    for r in results:
+        if r.python_us is None:
+            continue
+        print(f"\n{r.decoder}: Python functions by self time a step (cProfile): the "
+              f"interpreter's own time {r.python_us:.0f} us a step\n"
+              "| function | calls | self us | cumulative us |\n|---|---|---|---|")  # fmt: skip
+        for f in r.python_top:
+            print(f"| {f.name} | {f.calls:.1f} | {f.self_us:.0f} | {f.cumulative_us:.0f} |")

@@ -4,7 +4,8 @@
 # its own timeout so that a hang costs one step, not the call; every report goes under $OUT.
 #
 #   tests.txt            tests/test_cuda.py and tests/test_cuda_graphs.py
-#   profile-float32.txt  `bench profile`: ms, operators, kernels and launches a step
+#   profile-float32.txt  `bench profile`: ms, operators, kernels and launches a step, and
+#                        the Python functions the host spends the step in (cProfile)
 #   profile-bfloat16.txt the same in bfloat16
 #   decoders.txt         `bench offline --decoder ...`: the trained drafters against
 #                        autoregressive decoding, greedy identity per row
@@ -39,7 +40,7 @@ step() {  # step NAME SECONDS COMMAND...: run it, its output to $OUT/NAME.txt, a
 } >"$OUT/summary.txt"
 
 step tests 170 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_cuda_graphs.py
-step profile-float32 60 specserve bench profile --device "$DEVICE" --steps "$STEPS" \
+step profile-float32 60 specserve bench profile --device "$DEVICE" --steps "$STEPS" --python 15 \
   --decoder autoregressive,eagle3-k1,hydra-k1,ngram,ngram-goodput
 step profile-bfloat16 45 specserve bench profile --device "$DEVICE" --dtype bfloat16 \
   --steps "$STEPS" --decoder autoregressive,eagle3-k1
