@@ -292,11 +292,25 @@ def test_held_out_answers_are_told_apart_by_how_they_were_made(chat_llm, tmp_pat
         "greedy answers": list(range(0, len(split.sequences), 2)),
         "sampled answers": list(range(1, len(split.sequences), 2)),
     }
-    assert by_answer_kind(lambda only: only, split) == {"all answers": None, **kinds}
+    # Each sequence scored once: a kind's counts are its sequences', all answers' their sum.
+    asked = []
+
+    def count(only):  # sequence i: i hits at depth 1 over 10 positions
+        asked.append(only)
+        index = range(len(split.sequences)) if only is None else only
+        return torch.tensor([[float(sum(index))]]), torch.tensor([10.0 * len(index)])
+
+    result = by_answer_kind(count, split)
+    assert asked == list(kinds.values())
+    n = len(split.sequences)
+    by_kind = {kind: [[pytest.approx(sum(i) / (10 * len(i)))]] for kind, i in kinds.items()}
+    assert result == {"all answers": [[pytest.approx(sum(range(n)) / (10 * n))]], **by_kind}
     # one kind alone is scored once, as all answers
     greedy = load_split(tmp_path / "held_out")
     greedy.temperatures = [0.0] * len(greedy.sequences)
-    assert by_answer_kind(lambda only: only, greedy) == {"all answers": None}
+    asked.clear()
+    assert by_answer_kind(count, greedy) == {"all answers": [[pytest.approx((n - 1) / 20)]]}
+    assert asked == [None]
 
 
 def test_held_out_accuracy_over_some_sequences_is_theirs_alone(chat_llm, tiny_chat_model_dir,

@@ -177,13 +177,29 @@ def _losses(outputs, features, readout, answer, regression: bool = True,
 
 
 @torch.no_grad()
-def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, vocab, vocab_size,
-                        depth, top_k, batch=8, inputs_of=None, head=None,
-                        only: list[int] | None = None) -> list[list[float]]:  # fmt: skip
-    """[depth][i]: how often the i-th candidate at each depth is the target's next token.
-    ``inputs_of(index, features)``: what depth 1 reads instead of the target's features;
-    ``head``: the drafter's own readout instead of ``readout``'s rows; ``only``: these
-    sequences of the split (default: all)."""
+def held_out_accuracies(*args, **kwargs) -> list[list[float]]:
+    """[depth][i]: how often the i-th candidate at each depth is the target's next token
+    (``held_out_counts``' arguments)."""
+    return rates(held_out_counts(*args, **kwargs))
+
+
+Counts = tuple[torch.Tensor, torch.Tensor]  # (hits [depth, top_k], positions seen [depth])
+
+
+def rates(counts: Counts) -> list[list[float]]:
+    """Hits over positions seen, per depth and candidate, from ``held_out_counts``."""
+    hits, seen = counts
+    return (hits / seen.clamp_min(1)[:, None]).tolist()
+
+
+def held_out_counts(network, rope_of, split: FeatureSplit, embed, readout, vocab, vocab_size,
+                    depth, top_k, batch=8, inputs_of=None, head=None,
+                    only: list[int] | None = None) -> Counts:  # fmt: skip
+    """(hits [depth, top_k], positions seen [depth]): how often the i-th candidate at each
+    depth was the target's next token, and over how many positions (counts, so that scores
+    of disjoint sequences add up). ``inputs_of(index, features)``: what depth 1 reads instead
+    of the target's features; ``head``: the drafter's own readout instead of ``readout``'s
+    rows; ``only``: these sequences of the split (default: all)."""
     head = head or (lambda out: out @ readout.T)
     hits = torch.zeros(depth, top_k)
     seen = torch.zeros(depth)
@@ -205,7 +221,7 @@ def held_out_accuracies(network, rope_of, split: FeatureSplit, embed, readout, v
             top = head(out[mask]).topk(top_k, dim=-1).indices
             hits[s - 1] += (top == wanted[mask][:, None]).sum(0).float()
             seen[s - 1] += mask.sum()
-    return (hits / seen.clamp_min(1)[:, None]).tolist()
+    return hits, seen
 
 
 def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
@@ -263,7 +279,7 @@ def run_train_eagle(llm, options: EagleTrainOptions) -> TrainedDrafter:
         network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step
     )
     accuracies = by_answer_kind(
-        lambda only: held_out_accuracies(
+        lambda only: held_out_counts(
             network, rope_of, held_out, model.embed, readout, vocab, arch.vocab_size,
             options.depth, options.top_k, only=only,
         ),
@@ -284,16 +300,20 @@ def print_accuracies(accuracies: list[list[float]], what: str = "") -> None:
               + f"; expected accepted drafts of a {s}-token chain: {expected:.2f}")  # fmt: skip
 
 
-def by_answer_kind(score, split: FeatureSplit) -> dict[str, list[list[float]]]:
-    """``score(only)`` (``held_out_accuracies`` over the sequences ``only``) over the whole
-    split, then over each kind of answer it mixes: on greedy answers the next token is the
-    target's argmax, so the accuracy there is what greedy decoding accepts; on sampled ones
-    no drafter can match the sampled token more often than the target's argmax does."""
-    result = {ALL_ANSWERS: score(None)}
+def by_answer_kind(count, split: FeatureSplit) -> dict[str, list[list[float]]]:
+    """Accuracies over the whole split and over each kind of answer it mixes, from
+    ``count(only)`` (``held_out_counts`` over the sequences ``only``, None for all), each
+    sequence scored once: the kinds partition the split, so all answers' counts are theirs
+    added up. On greedy answers the next token is the target's argmax, so the accuracy there
+    is what greedy decoding accepts; on sampled ones no drafter can match the sampled token
+    more often than the target's argmax does."""
     kinds = split.answer_kinds()
-    if len(kinds) > 1:
-        result.update({kind: score(index) for kind, index in kinds.items()})
-    return result
+    if len(kinds) <= 1:
+        return {ALL_ANSWERS: rates(count(None))}
+    counted = {kind: count(index) for kind, index in kinds.items()}
+    hits = sum(c[0] for c in counted.values())
+    seen = sum(c[1] for c in counted.values())
+    return {ALL_ANSWERS: rates((hits, seen)), **{k: rates(c) for k, c in counted.items()}}
 
 
 def print_accuracies_by_kind(accuracies: dict[str, list[list[float]]]) -> None:
@@ -317,7 +337,7 @@ def evaluate_eagle(llm, drafter_dir: str | None, data: Path, depth: int = 3, top
     rope_of = padded_rope(model)
     split = load_split(Path(data) / "held_out")
     return by_answer_kind(
-        lambda only: held_out_accuracies(
+        lambda only: held_out_counts(
             drafter.network.float(), rope_of, split, model.embed, readout, vocab,
             model.arch.vocab_size, depth, top_k, only=only,
         ),

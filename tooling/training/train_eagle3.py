@@ -32,9 +32,10 @@ from tooling.training.train_eagle import (
     _first,
     _losses,
     by_answer_kind,
-    held_out_accuracies,
+    held_out_counts,
     padded_rope,
     print_accuracies_by_kind,
+    rates,
     unrolled_outputs,
 )
 from tooling.training.train_heads import draft_vocabulary
@@ -146,8 +147,8 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
 
     sample = _first(held_out, CURVE_SAMPLE)
 
-    def accuracies(split, top_k: int, only: list[int] | None = None) -> list[list[float]]:
-        return held_out_accuracies(
+    def counts(split, top_k: int, only: list[int] | None = None):
+        return held_out_counts(
             network, rope_of, split, model.embed, readout, vocab, arch.vocab_size,
             options.depth, top_k, inputs_of=lambda index, _: fused("held_out", index),
             head=network.logits, only=only,
@@ -156,13 +157,13 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     after_step = curve_recorder(
         run,
         lambda batch: sum(train.answer_tokens(i) for i in batch),
-        lambda: [round(row[0], 4) for row in accuracies(sample, 1)],
+        lambda: [round(row[0], 4) for row in rates(counts(sample, 1))],
     )
 
     train_epochs(
         network, optimizer, options, len(train.sequences), loss_of, 1.0, run, after_step
     )
-    result = by_answer_kind(lambda only: accuracies(held_out, options.top_k, only), held_out)
+    result = by_answer_kind(lambda only: counts(held_out, options.top_k, only), held_out)
     print_accuracies_by_kind(result)
     return write_drafter("eagle3", network, vocab, result, model, options, int(len(labels)), run)
 
@@ -182,7 +183,7 @@ def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: i
     rope_of = padded_rope(model)
     readout = dense_weight(model.lm_head)[vocab].float()
     return by_answer_kind(
-        lambda only: held_out_accuracies(
+        lambda only: held_out_counts(
             network, rope_of, split, model.embed, readout, vocab, model.arch.vocab_size, depth,
             top_k, head=network.logits, only=only,
             inputs_of=lambda index, _: network.fuse(padded([inputs[i] for i in index]).float()),
