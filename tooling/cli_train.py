@@ -183,6 +183,49 @@ def _kept_layers(text: str | None, num_layers: int) -> tuple[int, ...] | None:
     return layers
 
 
+def _cmd_train_prompts(args: argparse.Namespace) -> int:
+    from tooling.training.self_distillation import progress_bar
+    from tooling.training.self_prompts import write_self_prompts
+
+    if args.count < 1 or args.batch < 1 or args.max_tokens < 1:
+        raise ValueError("--count, --batch and --max-tokens must be >= 1")
+    if args.temperature <= 0 or not 0 < args.top_p <= 1:
+        raise ValueError("--temperature must be > 0 and --top-p in (0, 1]")
+    llm = _training_llm(args, batch=args.batch)
+    output = Path(args.output)
+    with progress_bar(args.count, "requests kept") as bar:
+        report = write_self_prompts(
+            llm, args.count, output, args.seed, args.temperature, args.top_p, args.max_tokens,
+            args.batch, bar.update,
+        )  # fmt: skip
+    print(f"{output}: {report.summary()}")
+    print(f"next: specserve train data --from {output}")
+    return 0
+
+
+def _add_prompts_parser(which) -> None:
+    p = which.add_parser(
+        "prompts",
+        help="the target writes user requests itself (JSONL for `train data --from`)",
+        description=(
+            "The target, given its chat template up to where a user's message begins, writes "
+            "users' requests in their own words (Magpie-style); those that ended by themselves, "
+            "have 4 to 80 words, are new and are no benchmark prompt are written to --output "
+            "as JSONL conversations, which `specserve train data --from FILE` has the target "
+            "answer. Nothing but the target goes into them."
+        ),
+    )
+    add_model_arguments(p)
+    p.add_argument("--count", type=int, default=10_000, help="requests to keep")
+    p.add_argument("--output", required=True, help="JSONL file to write")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-tokens", type=int, default=96, help="longer requests are left out")
+    p.add_argument("--batch", type=int, default=64, help="requests written together")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_cmd_train_prompts)
+
+
 def _add_data_parser(which) -> None:
     p = which.add_parser(
         "data",
@@ -264,6 +307,7 @@ def add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("train", help="train a drafter for the model (self-distillation)")
     which = p.add_subparsers(dest="train", metavar="DRAFTER", required=True)
     _add_data_parser(which)
+    _add_prompts_parser(which)
     _add_evaluate_parser(which)
     descriptions = {
         "medusa": "K Medusa heads learn the tokens 2..K+1 places ahead from the hidden state",
