@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +38,7 @@ from server.ray_serve.prefix_keys import (  # noqa: E402
     prompt_text,
     request_prefix_hashes,
 )
-from server.ray_serve.replica import REPLICA_START_FAILED, StderrTail, parse_gauges  # noqa: E402
+from server.ray_serve.replica import REPLICA_START_FAILED, ServerLog, parse_gauges  # noqa: E402
 from tooling.bench.bench_ray import replica_processes  # noqa: E402
 
 # ------------------------------------------------------------------------------- no cluster
@@ -425,24 +426,29 @@ def test_a_tether_killed_outright_takes_its_server_with_it(tiny_chat_model_dir):
 
 
 def test_a_replica_whose_server_cannot_start_says_why(tiny_chat_model_dir, tmp_path, capfd):
-    """The replica's server runs under its tether, as in a replica; its stderr still reaches
-    the worker's log, and the replica's error (which Ray's status and then `specserve serve
-    --replicas` report) carries the server's own reason, not only an exit code."""
+    """The replica's server runs under its tether, as in a replica, writing its stderr to the
+    replica's log file; every line still reaches the worker's log, and the replica's error
+    (which Ray's status and then `specserve serve --replicas` report) carries the server's own
+    reason, not only an exit code. The file has no name left to leak."""
     config = tmp_path / "small_cache.yaml"
     config.write_text("kv_cache:\n  num_blocks: 4\n")
     repo = Path(__file__).resolve().parents[1]
+    logs_before = set(Path(tempfile.gettempdir()).glob("specserve-replica-*"))
+    log = ServerLog()
+    assert set(Path(tempfile.gettempdir()).glob("specserve-replica-*")) == logs_before
     tether = subprocess.Popen(
         [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()), "t", "serve",
          "--model", str(tiny_chat_model_dir), "--config", str(config), "--port", str(_free_port())],
         cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True,
+        stderr=log.file,
     )  # fmt: skip
-    tail = StderrTail(tether.stderr)
+    log.file.close()
     assert tether.wait(timeout=120) != 0
-    reason = tail.reason()
+    reason = log.reason()
     assert reason.startswith("error: engine failed to start")
     assert "KV cache holds 64 tokens" in reason
     assert "KV cache holds 64 tokens" in capfd.readouterr().err  # relayed, not swallowed
+    log.close()
 
 
 def test_the_replicas_start_failure_is_found_in_ray_s_status_messages():

@@ -22,6 +22,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -59,29 +60,60 @@ def parse_gauges(metrics_text: str, names: dict[str, str]) -> dict[str, float]:
     return found
 
 
-class StderrTail:
-    """Relays a child's stderr line by line to our own (Ray's logs keep it) and keeps the last
-    lines, so that a server that fails to start can say why in the replica's error: the
-    cluster's operator reads that error, not the worker log it would otherwise be buried in."""
+class ServerLog:
+    """Where a replica's server writes its stderr: a file, relayed line by line to our own
+    stderr (Ray's worker log keeps it), with the last lines kept so that a server that fails
+    to start can say why in the replica's error (the operator reads that error, not the
+    worker log it would otherwise be buried in). A file, not a pipe: a server whose replica
+    was killed outright must still write its shutdown lines (into a pipe without a reader,
+    every write would fail)."""
 
-    def __init__(self, stream, keep: int = 40):
+    POLL_S = 0.2
+
+    def __init__(self, keep: int = 40):
+        fd, name = tempfile.mkstemp(prefix="specserve-replica-", suffix=".log")
+        # The server writes through ``file`` (its own copy of it), we read through another
+        # handle; the name goes at once, so nothing is left behind however the replica ends.
+        self.file = os.fdopen(fd, "w")
+        self._reader = open(name, errors="replace")  # closed by the relay thread
+        os.unlink(name)
         self.lines: deque[str] = deque(maxlen=keep)
-        self._thread = threading.Thread(target=self._relay, args=(stream,), daemon=True)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._relay, daemon=True)
         self._thread.start()
 
-    def _relay(self, stream) -> None:
-        for line in iter(stream.readline, ""):
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            self.lines.append(line.rstrip("\n"))
+    def _relay(self) -> None:
+        with self._reader as log:
+            partial = ""
+            while True:
+                chunk = log.readline()
+                if not chunk:
+                    if self._done.is_set():
+                        break
+                    time.sleep(self.POLL_S)
+                    continue
+                partial += chunk
+                if partial.endswith("\n"):
+                    sys.stderr.write(partial)
+                    sys.stderr.flush()
+                    self.lines.append(partial.rstrip("\n"))
+                    partial = ""
+            if partial:
+                self.lines.append(partial)
 
     def reason(self, timeout: float = 5.0) -> str:
-        """The child's own ``error: ...`` line (the CLI's way of failing), else its last
-        line; call once it has exited (waits up to ``timeout`` for its last lines)."""
+        """The server's own ``error: ...`` line (the CLI's way of failing), else its last
+        line; call once it has exited (reads what it wrote to the end)."""
+        self._done.set()
         self._thread.join(timeout)
         lines = [line for line in self.lines if line.strip()]
         errors = [line for line in lines if re.match(r"(specserve \w+: )?error:", line)]
         return (errors or lines or ["(no output)"])[-1]
+
+    def close(self) -> None:
+        """Stop relaying (once the server has exited: it has the file to itself)."""
+        self._done.set()
+        self.file.close()
 
 
 ROUTING_GAUGES = {
@@ -107,9 +139,9 @@ class SpecserveReplica:
         command = [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()),
                    self.replica_id, "serve", *serve_args, "--host", self.host,
                    "--port", str(self.port)]  # fmt: skip
-        self.process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE,
-                                        text=True, errors="replace")  # fmt: skip
-        self.stderr = StderrTail(self.process.stderr)
+        self.log = ServerLog()
+        self.process = subprocess.Popen(command, start_new_session=True, stderr=self.log.file)
+        self.log.file.close()  # the server holds its own copy
         self.base = f"http://{self.host}:{self.port}"
         self.client = httpx.AsyncClient(base_url=self.base, timeout=None)
         self._wait_until_ready()
@@ -120,7 +152,7 @@ class SpecserveReplica:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(
-                    f"{REPLICA_START_FAILED} with {self.process.returncode}: {self.stderr.reason()}"
+                    f"{REPLICA_START_FAILED} with {self.process.returncode}: {self.log.reason()}"
                 )
             try:
                 if httpx.get(f"{self.base}/health", timeout=2.0).status_code == 200:
@@ -169,6 +201,8 @@ class SpecserveReplica:
                 process.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(process.pid, 9)
+        if getattr(self, "log", None) is not None:
+            self.log.close()
         if getattr(self, "replica_id", None) is not None:
             try:
                 registry().remove.remote(self.replica_id)
