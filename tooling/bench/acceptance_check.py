@@ -76,8 +76,7 @@ def offline(llm, turns, drafter_dir: str | None) -> tuple[float, float]:
 
 def engine_acceptance(llm, turns, drafter_dir: str | None) -> tuple[float, int]:
     """(eagle3-k1's acceptance, answers identical to the stored ones)."""
-    from engine.speculation import SpecDecodeStats
-    from engine.toolkit import SamplingParams
+    from engine.toolkit import SamplingParams, SpecDecodeStats
 
     settings = llm.config.decoder.model_dump()
     settings.update(method="eagle3", num_speculative_tokens=1, draft_policy="fixed",
