@@ -11,7 +11,6 @@ import random
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +37,8 @@ from server.ray_serve.prefix_keys import (  # noqa: E402
     prompt_text,
     request_prefix_hashes,
 )
-from server.ray_serve.replica import REPLICA_START_FAILED, ServerLog, parse_gauges  # noqa: E402
+from server.ray_serve.replica import REPLICA_START_FAILED, parse_gauges  # noqa: E402
+from server.ray_serve.tethered import REASON_FILE_ENV  # noqa: E402
 from tooling.bench.bench_ray import replica_processes  # noqa: E402
 
 # ------------------------------------------------------------------------------- no cluster
@@ -426,29 +426,25 @@ def test_a_tether_killed_outright_takes_its_server_with_it(tiny_chat_model_dir):
 
 
 def test_a_replica_whose_server_cannot_start_says_why(tiny_chat_model_dir, tmp_path, capfd):
-    """The replica's server runs under its tether, as in a replica, writing its stderr to the
-    replica's log file; every line still reaches the worker's log, and the replica's error
-    (which Ray's status and then `specserve serve --replicas` report) carries the server's own
-    reason, not only an exit code. The file has no name left to leak."""
+    """The replica's server runs under its tether, as in a replica: every line of its stderr
+    still reaches the tether's (the worker log), and the tether writes the server's own
+    reason where the replica reads it for its error (which Ray's status and then `specserve
+    serve --replicas` report), not only an exit code."""
     config = tmp_path / "small_cache.yaml"
     config.write_text("kv_cache:\n  num_blocks: 4\n")
+    reason_file = tmp_path / "reason"
     repo = Path(__file__).resolve().parents[1]
-    logs_before = set(Path(tempfile.gettempdir()).glob("specserve-replica-*"))
-    log = ServerLog()
-    assert set(Path(tempfile.gettempdir()).glob("specserve-replica-*")) == logs_before
     tether = subprocess.Popen(
         [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()), "t", "serve",
          "--model", str(tiny_chat_model_dir), "--config", str(config), "--port", str(_free_port())],
-        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdout=subprocess.DEVNULL,
-        stderr=log.file,
+        cwd=repo, env={**os.environ, "PYTHONPATH": str(repo), REASON_FILE_ENV: str(reason_file)},
+        stdout=subprocess.DEVNULL,
     )  # fmt: skip
-    log.file.close()
     assert tether.wait(timeout=120) != 0
-    reason = log.reason()
+    reason = reason_file.read_text()
     assert reason.startswith("error: engine failed to start")
     assert "KV cache holds 64 tokens" in reason
     assert "KV cache holds 64 tokens" in capfd.readouterr().err  # relayed, not swallowed
-    log.close()
 
 
 def test_the_replicas_start_failure_is_found_in_ray_s_status_messages():

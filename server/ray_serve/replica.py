@@ -17,20 +17,20 @@ the ingress can gather every replica's ``/metrics``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import re
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
 
 import httpx
 
 from server.ray_serve.proxied import Lease, ProxiedRequest
 from server.ray_serve.registry import registry
+from server.ray_serve.tethered import REASON_FILE_ENV
 
 REPLICA_START_FAILED = "the replica's specserve serve exited"  # app.py finds it in Ray's status
 START_TIMEOUT_S = 600.0  # a first start may pull the model and tune the kernels
@@ -60,62 +60,6 @@ def parse_gauges(metrics_text: str, names: dict[str, str]) -> dict[str, float]:
     return found
 
 
-class ServerLog:
-    """Where a replica's server writes its stderr: a file, relayed line by line to our own
-    stderr (Ray's worker log keeps it), with the last lines kept so that a server that fails
-    to start can say why in the replica's error (the operator reads that error, not the
-    worker log it would otherwise be buried in). A file, not a pipe: a server whose replica
-    was killed outright must still write its shutdown lines (into a pipe without a reader,
-    every write would fail)."""
-
-    POLL_S = 0.2
-
-    def __init__(self, keep: int = 40):
-        fd, name = tempfile.mkstemp(prefix="specserve-replica-", suffix=".log")
-        # The server writes through ``file`` (its own copy of it), we read through another
-        # handle; the name goes at once, so nothing is left behind however the replica ends.
-        self.file = os.fdopen(fd, "w")
-        self._reader = open(name, errors="replace")  # closed by the relay thread
-        os.unlink(name)
-        self.lines: deque[str] = deque(maxlen=keep)
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._relay, daemon=True)
-        self._thread.start()
-
-    def _relay(self) -> None:
-        with self._reader as log:
-            partial = ""
-            while True:
-                chunk = log.readline()
-                if not chunk:
-                    if self._done.is_set():
-                        break
-                    time.sleep(self.POLL_S)
-                    continue
-                partial += chunk
-                if partial.endswith("\n"):
-                    sys.stderr.write(partial)
-                    sys.stderr.flush()
-                    self.lines.append(partial.rstrip("\n"))
-                    partial = ""
-            if partial:
-                self.lines.append(partial)
-
-    def reason(self, timeout: float = 5.0) -> str:
-        """The server's own ``error: ...`` line (the CLI's way of failing), else its last
-        line; call once it has exited (reads what it wrote to the end)."""
-        self._done.set()
-        self._thread.join(timeout)
-        lines = [line for line in self.lines if line.strip()]
-        errors = [line for line in lines if re.match(r"(specserve \w+: )?error:", line)]
-        return (errors or lines or ["(no output)"])[-1]
-
-    def close(self) -> None:
-        """Stop relaying (once the server has exited: it has the file to itself)."""
-        self._done.set()
-        self.file.close()
-
-
 ROUTING_GAUGES = {
     "specserve:num_requests_running": "running",
     "specserve:num_requests_waiting": "waiting",
@@ -139,9 +83,10 @@ class SpecserveReplica:
         command = [sys.executable, "-m", "server.ray_serve.tethered", str(os.getpid()),
                    self.replica_id, "serve", *serve_args, "--host", self.host,
                    "--port", str(self.port)]  # fmt: skip
-        self.log = ServerLog()
-        self.process = subprocess.Popen(command, start_new_session=True, stderr=self.log.file)
-        self.log.file.close()  # the server holds its own copy
+        fd, self.reason_file = tempfile.mkstemp(prefix="specserve-replica-", suffix=".reason")
+        os.close(fd)
+        env = {**os.environ, REASON_FILE_ENV: self.reason_file}
+        self.process = subprocess.Popen(command, start_new_session=True, env=env)
         self.base = f"http://{self.host}:{self.port}"
         self.client = httpx.AsyncClient(base_url=self.base, timeout=None)
         self._wait_until_ready()
@@ -151,9 +96,8 @@ class SpecserveReplica:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"{REPLICA_START_FAILED} with {self.process.returncode}: {self.log.reason()}"
-                )
+                code, reason = self.process.returncode, self._start_failure()
+                raise RuntimeError(f"{REPLICA_START_FAILED} with {code}: {reason}")
             try:
                 if httpx.get(f"{self.base}/health", timeout=2.0).status_code == 200:
                     return
@@ -161,6 +105,14 @@ class SpecserveReplica:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"specserve serve did not answer /health in {START_TIMEOUT_S:.0f} s")
+
+    def _start_failure(self) -> str:
+        """The server's error line, as its tether wrote it down."""
+        try:
+            with open(self.reason_file) as f:
+                return f.read().strip() or "(no output)"
+        except OSError:
+            return "(no output)"
 
     def _exit_if_server_gone(self) -> None:
         """A replica whose server died is of no use: end the actor, so that Ray's routers drop
@@ -201,8 +153,9 @@ class SpecserveReplica:
                 process.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(process.pid, 9)
-        if getattr(self, "log", None) is not None:
-            self.log.close()
+        if getattr(self, "reason_file", None) is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.reason_file)
         if getattr(self, "replica_id", None) is not None:
             try:
                 registry().remove.remote(self.replica_id)
