@@ -402,7 +402,7 @@ def test_kangaroo_reads_its_exit_layer_from_the_kept_layers(chat_llm, tmp_path, 
         raise AssertionError("the kept layer was computed again")
 
     monkeypatch.setattr(train_kangaroo, "sequence_features", no_pass)
-    rows = shallow_features(model, split, train, 0, "train")
+    rows = shallow_features(model, split, 0, "train")
     assert len(rows) == len(split.sequences)
     for tokens, row in zip(split.sequences, rows, strict=True):
         (expected,) = sequence_features(model, [tokens], layer=0)
@@ -413,6 +413,6 @@ def test_kangaroo_reads_its_exit_layer_from_the_kept_layers(chat_llm, tmp_path, 
     next(layer_directory(train, layers).iterdir()).unlink()
     assert kept_layers_with(train, 0) is None
     monkeypatch.setattr(train_kangaroo, "sequence_features", sequence_features)
-    computed = shallow_features(model, split, train, 0, "train")
+    computed = shallow_features(model, split, 0, "train")
     assert computed[0].dtype == torch.float16
     torch.testing.assert_close(computed[0][:-1], rows[0][:-1], atol=2e-3, rtol=2e-3)

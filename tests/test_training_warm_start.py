@@ -45,11 +45,11 @@ def test_data_from_leaves_out_the_conversations_that_start_before_it(two_shards)
     in_first_shard = len(load_shard(shard_paths(root / "train")[0]))
     seen = sum(everything.answer_tokens(i) for i in range(in_first_shard))
     rest = load_split(root / "train", skip_answer_tokens=seen)
-    assert rest.first == in_first_shard
+    assert rest.sources[0].first == in_first_shard
     assert rest.sequences == everything.sequences[in_first_shard:]
     assert rest.spans == everything.spans[in_first_shard:]
     # A conversation that starts before the cut is left out whole.
-    assert load_split(root / "train", skip_answer_tokens=1).first == 1
+    assert load_split(root / "train", skip_answer_tokens=1).sources[0].first == 1
     # Both counts run from the first shard: the range [seen, seen + 1) is one conversation.
     assert len(load_split(root / "train", seen + 1, seen).sequences) == 1
 
@@ -164,6 +164,9 @@ def test_the_command_line_checks_the_data_range(tiny_chat_model_dir, tmp_path, c
     with_data = [*base, "--data", str(tmp_path), "--data-tokens", "1M"]
     assert main([*with_data, "--data-from", "2M"]) == 2
     assert "--data-from must be below --data-tokens" in capsys.readouterr().err
+    two_sets = [*base, "--data", str(tmp_path), "--data", str(tmp_path), "--data-from", "1M"]
+    assert main(two_sets) == 2
+    assert "--data-from leaves out the start of one set: give one --data" in capsys.readouterr().err
 
 
 def test_a_grown_vocabulary_keeps_the_start_and_adds_the_most_frequent_labels():

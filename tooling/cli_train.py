@@ -16,6 +16,8 @@ def _common_options(args: argparse.Namespace) -> dict:
         raise ValueError("--num-prompts, --held-out, --max-tokens, --epochs must be >= 1")
     if args.data_from and not args.data:
         raise ValueError("--data-from leaves out part of --data: give --data")
+    if args.data_from and len(args.data) > 1:
+        raise ValueError("--data-from leaves out the start of one set: give one --data")
     if args.data_from and args.data_tokens and args.data_from >= args.data_tokens:
         raise ValueError("--data-from must be below --data-tokens (both count from the start)")
     prompts = None
@@ -39,7 +41,7 @@ def _common_options(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "resume": args.resume,
         "prompts": prompts,
-        "data": Path(args.data) if args.data else None,
+        "data": tuple(Path(d) for d in args.data) if args.data else None,
         "data_tokens": args.data_tokens,
         "data_from": args.data_from,
         "init_from": args.init_from,
@@ -430,15 +432,17 @@ def _add_common_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data",
+        action="append",
         help="a data directory of `specserve train data`, or your own conversations (a JSONL "
         "file: OpenAI 'messages' or ShareGPT 'conversations' per line; the target answers "
-        "their user turns, kept in the cache); default: answer --prompts or the built-in "
+        "their user turns, kept in the cache); repeat it to learn from several sets together "
+        "(e.g. yours and specserve's own); default: answer --prompts or the built-in "
         "prompts now",
     )
     p.add_argument(
         "--data-tokens",
         type=parse_token_count,
-        help="train on the first N answer tokens of --data, e.g. 2M (default all)",
+        help="train on the first N answer tokens of each --data set, e.g. 2M (default all)",
     )
     p.add_argument(
         "--data-from",

@@ -53,7 +53,7 @@ def offline(llm, turns, drafter_dir: str | None) -> tuple[float, float]:
     drafter = load_drafter(drafter_dir, "eagle3", Eagle3Network, model)
     network, vocab = drafter.network.float(), drafter.draft_vocab
     layers = tuple(network.shape["feature_layers"])
-    inputs = layer_features(model, turns.sequences, layers, "held-out first turns")
+    inputs = layer_features(model, turns, layers, "held-out first turns")
     to_row = torch.full((model.arch.vocab_size,), -2, dtype=torch.long)
     to_row[vocab] = torch.arange(len(vocab))
     rope_of = padded_rope(model)

@@ -4,6 +4,7 @@ every epoch) and writing the drafter directory with how it was trained."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -194,7 +195,7 @@ def write_drafter(
         target_signature(model),
         {
             "command": f"specserve train {kind}",
-            "options": {k: str(v) for k, v in asdict(options).items() if k != "prompts"},
+            "options": {k: _option_text(v) for k, v in asdict(options).items() if k != "prompts"},
             "data": _data_description(options),
             "training_answer_tokens": num_answer_tokens,
             "resumed_after_epoch": run.first_epoch,
@@ -218,10 +219,30 @@ def _top1_by_kind(by_kind: dict[str, list[list[float]]]) -> dict:
     return {"held_out_top1_by_answer_kind": top1}
 
 
+def _option_text(value) -> str:
+    """An option as the record keeps it; several paths (--data) comma-separated."""
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, Path) for v in value):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
 def _data_description(options) -> str:
-    if getattr(options, "data", None):
-        return (
-            f"the target's own conversations in {Path(options.data).name} "
-            "(`specserve train data`: specserve's own requests, tooling/training/prompt_mix.py)"
-        )
+    from tooling.training.data import data_paths
+
+    paths = data_paths(options)
+    if paths:
+        return "; ".join(_set_description(path) for path in paths)
     return "answers of the target itself to specserve's own prompts (tooling/training/prompts.py)"
+
+
+def _set_description(path: Path) -> str:
+    """What a data set named by --data holds: specserve's own requests or a file's."""
+    recipe = path / "recipe.json"
+    source = json.loads(recipe.read_text()).get("source") if recipe.is_file() else None
+    if source or not path.is_dir():
+        name = source["file"] if source else path.name
+        return f"the target's answers to the conversations of {name} (`train data --from`)"
+    return (
+        f"the target's own conversations in {path.name} "
+        "(`specserve train data`: specserve's own requests, tooling/training/prompt_mix.py)"
+    )

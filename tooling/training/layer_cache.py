@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tooling.training.self_distillation import sequence_features
+from tooling.training.self_distillation import FeatureSplit, sequence_features
 from tooling.training.shards import layer_directory, load_shard, save_layer_rows, shard_paths
 
 
@@ -46,4 +46,17 @@ def cached_layer_features(model, split: Path, layers: tuple[int, ...], count: in
             progress(len(wanted))
         rows += wanted
         position += len(shard)
+    return rows
+
+
+def split_layer_features(model, split: FeatureSplit, layers: tuple[int, ...],
+                         progress=None) -> list[torch.Tensor]:  # fmt: skip
+    """``cached_layer_features`` for every sequence of a split made of shards (one data set
+    or several learnt from together), in the split's order."""
+    rows: list[torch.Tensor] = []
+    for source in split.sources:
+        rows += cached_layer_features(model, source.directory, layers, source.count, progress,
+                                      source.first)  # fmt: skip
+    if len(rows) != len(split.sequences):
+        raise ValueError(f"{len(split.sequences)} sequences, {len(rows)} from their shards")
     return rows

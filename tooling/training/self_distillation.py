@@ -12,7 +12,7 @@ for answers cached without their features, and for the hidden states of earlier 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -164,6 +164,16 @@ FEATURES_FILE = "features.pt"
 ALL_ANSWERS = "all answers"  # the key of a split's whole held-out score beside its kinds'
 
 
+@dataclass(frozen=True)
+class SplitSource:
+    """``count`` consecutive sequences of a split: the conversations ``first`` ..
+    ``first + count - 1`` of a shard directory, in its shards' order."""
+
+    directory: Path
+    first: int
+    count: int
+
+
 @dataclass
 class FeatureSplit:
     """Sequences with the target's final-normed features at every position, and where each
@@ -174,9 +184,9 @@ class FeatureSplit:
     starts: list[int]
     features: list[torch.Tensor]  # per sequence [len, d], float16
     spans: list[list[tuple[int, int]]] | None = None
-    # Index of the first conversation in its shards' order (``load_split`` skipping some): what
-    # per-shard caches beside the shards (``layer_cache``) are indexed by.
-    first: int = 0
+    # Where the sequences lie in shard directories, in order (none: not from shards): what
+    # the per-shard caches beside the shards (``layer_cache``) are read by.
+    sources: list[SplitSource] = field(default_factory=list)
     # Per sequence, the temperature its answers were sampled at (0: greedy); None: not known.
     temperatures: list[float] | None = None
 
@@ -207,6 +217,22 @@ class FeatureSplit:
 
     def answer_tokens(self, i: int) -> int:
         return sum(b - a for a, b in self.answer_spans(i))
+
+
+def joined(splits: list[FeatureSplit]) -> FeatureSplit:
+    """One split of several (data sets learnt from together), in order."""
+    if len(splits) == 1:
+        return splits[0]
+    known = all(s.temperatures is not None for s in splits)
+    return FeatureSplit(
+        [q for s in splits for q in s.sequences],
+        [a for s in splits for a in s.starts],
+        [f for s in splits for f in s.features],
+        [s.spans[i] if s.spans else [(s.starts[i], len(s.sequences[i]))]
+         for s in splits for i in range(len(s.sequences))],  # fmt: skip
+        [source for s in splits for source in s.sources],
+        [t for s in splits for t in s.temperatures] if known else None,
+    )
 
 
 def cached_features(llm, options, answers: dict[str, Answers]) -> dict[str, FeatureSplit]:

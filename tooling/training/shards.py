@@ -31,7 +31,7 @@ import torch
 
 from engine.toolkit import SamplingParams
 from tooling.training.prompt_mix import Request, request
-from tooling.training.self_distillation import FeatureSplit, final_features
+from tooling.training.self_distillation import FeatureSplit, SplitSource, final_features
 
 RECIPE_FILE = "recipe.json"
 GENERATOR_VERSION = 1  # bump when prompt_mix or the shard layout changes what a shard holds
@@ -367,14 +367,14 @@ def load_split(directory: Path, max_answer_tokens: int | None = None, skip_answe
     if not paths:
         raise ValueError(f"{directory}: no shards (make them with `specserve train data`)")
     split = FeatureSplit([], [], [], [], temperatures=[])
-    total = 0
+    total = first = 0
     for path in paths:
         for c in load_shard(path):
             if max_answer_tokens is not None and total >= max_answer_tokens:
-                return split
+                return _sourced(split, directory, first)
             if total < skip_answer_tokens:
                 total += c.answer_tokens
-                split.first += 1
+                first += 1
                 continue
             split.sequences.append(c.tokens)
             split.starts.append(c.spans[0][0])
@@ -382,6 +382,11 @@ def load_split(directory: Path, max_answer_tokens: int | None = None, skip_answe
             split.spans.append(c.spans)
             split.temperatures.append(c.temperature)
             total += c.answer_tokens
+    return _sourced(split, directory, first)
+
+
+def _sourced(split: FeatureSplit, directory: Path, first: int) -> FeatureSplit:
+    split.sources = [SplitSource(Path(directory), first, len(split.sequences))]
     return split
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import torch
 
 from engine.toolkit import Eagle3Network, TrainedDrafter, default_feature_layers
-from tooling.training.data import shard_root, training_splits
+from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, curve_recorder, train_epochs, write_drafter
-from tooling.training.layer_cache import cached_layer_features
-from tooling.training.self_distillation import padded, progress_bar, sequence_features
+from tooling.training.layer_cache import split_layer_features
+from tooling.training.self_distillation import FeatureSplit, padded, progress_bar, sequence_features
 from tooling.training.train_eagle import (
     CURVE_SAMPLE,
     EagleTrainOptions,
@@ -47,17 +47,13 @@ class Eagle3TrainOptions(EagleTrainOptions):
     feature_layers: tuple[int, ...] | None = None  # default: low, middle, high
 
 
-def layer_features(model, sequences: list[list[int]], layers: tuple[int, ...], what: str,
-                   shards: Path | None = None, first: int = 0):  # fmt: skip
-    """Per sequence, [len, layers * d] float16: the layers' outputs side by side; for the
-    split of a shard directory ``shards`` (``sequences`` from its conversation ``first`` on),
-    computed once and kept beside its shards."""
-    with progress_bar(len(sequences), f"{what} layer features") as bar:
-        if shards is not None:
-            return cached_layer_features(
-                model, shards, layers, len(sequences), bar.update, first
-            )
-        rows = sequence_features(model, sequences, progress=bar.update, layer=layers)
+def layer_features(model, split: FeatureSplit, layers: tuple[int, ...], what: str):
+    """Per sequence, [len, layers * d] float16: the layers' outputs side by side; for a split
+    of shards, computed once and kept beside them."""
+    with progress_bar(len(split.sequences), f"{what} layer features") as bar:
+        if split.sources:
+            return split_layer_features(model, split, layers, bar.update)
+        rows = sequence_features(model, split.sequences, progress=bar.update, layer=layers)
     return [r.to(torch.float16) for r in rows]
 
 
@@ -109,8 +105,7 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
         layers = tuple(start.network.shape["feature_layers"])
     else:
         layers = tuple(options.feature_layers or default_feature_layers(arch.num_layers))
-    root = shard_root(llm, options)
-    splits = training_splits(llm, options, root)
+    splits = training_splits(llm, options)
     train, held_out = splits["train"], splits["held_out"]
     labels = train.answer_labels()
     size = options.draft_vocab_size
@@ -125,8 +120,7 @@ def run_train_eagle3(llm, options: Eagle3TrainOptions) -> TrainedDrafter:
     print(f"draft vocabulary: {len(vocab)} tokens, {covered:.1%} of training labels")
     readout = dense_weight(model.lm_head)[vocab].float()  # the teacher's rows
     inputs = {
-        name: layer_features(model, split.sequences, layers, what,
-                             None if root is None else root / name, split.first)  # fmt: skip
+        name: layer_features(model, split, layers, what)
         for name, split, what in (("train", train, "training"), ("held_out", held_out, "held-out"))
     }
 
@@ -178,7 +172,7 @@ def evaluate_eagle3(llm, drafter_dir: str | None, data, depth: int = 3, top_k: i
     network, vocab = drafter.network.float(), drafter.draft_vocab
     split = load_split(Path(data) / "held_out")
     layers = tuple(network.shape["feature_layers"])
-    inputs = layer_features(model, split.sequences, layers, "held-out", Path(data) / "held_out")
+    inputs = layer_features(model, split, layers, "held-out")
 
     rope_of = padded_rope(model)
     readout = dense_weight(model.lm_head)[vocab].float()

@@ -51,7 +51,7 @@ class HeadsTrainOptions:
     # Prompts instead of the built-in set: (training, held-out), texts (user messages) or token
     # id lists (the model's input as it is).
     prompts: tuple[list, list] | None = None
-    data: Path | None = None  # shards of `specserve train data` instead of the prompts
+    data: tuple[Path, ...] | None = None  # `specserve train data` sets, not the prompts
     data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
     data_from: int | None = None  # leave out the shards' first N training answer tokens
     init_from: str | None = None  # a drafter directory (or "shipped") to train on from

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.toolkit import KangarooAdapter, TrainedDrafter
-from tooling.training.data import shard_root, training_splits
+from tooling.training.data import training_splits
 from tooling.training.epochs import TrainingRun, train_epochs, write_drafter
 from tooling.training.layer_cache import cached_layer_features
 from tooling.training.self_distillation import (
@@ -54,7 +54,7 @@ class KangarooTrainOptions:
     seed: int = 0
     resume: bool = False
     prompts: tuple[list, list] | None = None
-    data: Path | None = None  # shards of `specserve train data` instead of the prompts
+    data: tuple[Path, ...] | None = None  # `specserve train data` sets, not the prompts
     data_tokens: int | None = None  # of the shards' training answer tokens (None: all)
     data_from: int | None = None  # leave out the shards' first N training answer tokens
     init_from: str | None = None  # a drafter directory (or "shipped") to train on from
@@ -88,21 +88,29 @@ def _held_out_accuracy(adapter, model, readout, vocab, split, shallow, top_k) ->
     return (hits / max(seen, 1)).tolist()
 
 
-def shallow_features(model, split, shards: Path | None, layer: int, what: str):
+def shallow_features(model, split, layer: int, what: str):
     """Per conversation of ``split``, [len, d] float16: the outputs of the target's ``layer``,
-    from the kept layers beside ``shards`` where a set holds it (no pass, and mapped from the
-    files rather than held: the whole 10M-token set would be about 12 GB in float16), else
-    computed now."""
-    kept = None if shards is None else kept_layers_with(shards, layer)
-    with progress_bar(len(split.sequences), f"{what}: layer {layer + 1}") as bar:
-        if kept is None:
-            rows = sequence_features(model, split.sequences, progress=bar.update, layer=layer)
-            return [r.to(torch.float16) for r in rows]
-        rows = cached_layer_features(model, shards, kept, len(split.sequences), bar.update,
-                                     split.first)  # fmt: skip
+    for each shard set of the split from the kept layers beside its shards where a set holds
+    it (no pass, and mapped from the files rather than held: the whole 10M-token set would be
+    about 12 GB in float16), else computed now."""
     d = model.arch.hidden_size
-    column = kept.index(layer) * d
-    return [r[:, column : column + d] for r in rows]
+    sources = split.sources or [None]
+    rows: list[torch.Tensor] = []
+    with progress_bar(len(split.sequences), f"{what}: layer {layer + 1}") as bar:
+        for source in sources:
+            kept = None if source is None else kept_layers_with(source.directory, layer)
+            if kept is None:
+                start = len(rows)
+                end = start + source.count if source else len(split.sequences)
+                sequences = split.sequences[start:end]
+                computed = sequence_features(model, sequences, progress=bar.update, layer=layer)
+                rows += [r.to(torch.float16) for r in computed]
+                continue
+            column = kept.index(layer) * d
+            cached = cached_layer_features(model, source.directory, kept, source.count,
+                                           bar.update, source.first)  # fmt: skip
+            rows += [r[:, column : column + d] for r in cached]
+    return rows
 
 
 def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
@@ -114,11 +122,9 @@ def run_train_kangaroo(llm, options: KangarooTrainOptions) -> TrainedDrafter:
     arch = model.arch
     if not 1 <= options.exit_layer < arch.num_layers:
         raise ValueError(f"--exit-layer must be in [1, {arch.num_layers - 1}]")
-    root = shard_root(llm, options)
-    splits = training_splits(llm, options, root)
+    splits = training_splits(llm, options)
     shallow = {
-        name: shallow_features(model, split, None if root is None else root / name,
-                               options.exit_layer - 1, name)  # fmt: skip
+        name: shallow_features(model, split, options.exit_layer - 1, name)
         for name, split in splits.items()
     }
     train = splits["train"]
