@@ -27,9 +27,10 @@ for the B sequences that want to draft, with
 
 Exploration costs one sequence, never the batch: a length never drafted yet is tried by one
 sequence of the group (``explore``: it drafts one more than the choice), and so is the next
-length every ``explore_every`` of the decoder's choices while it could be within ``PLAUSIBLE``
-of the best rate (its acceptance and cost estimates keep up with the load), and only every
-``RARELY`` times that otherwise (a loss by the estimates is seldom worth re-checking, and each
+length every ``explore_every`` of the decoder's choices (``PLAIN_EXPLORE_FACTOR`` times as
+often while it drafts nothing) while it could be within ``PLAUSIBLE`` of the best rate (its
+acceptance and cost estimates keep up with the load), and only every ``RARELY`` times that
+otherwise (a loss by the estimates is seldom worth re-checking, and each
 check slows a step). "Could be" reads each acceptance ``OPTIMISM`` standard errors high: a few
 unlucky first runs (one accepted of five, for a drafter right 46% of the time) must not file a
 length under "clear loss" before enough runs say so.
@@ -48,11 +49,23 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SMOOTHING = 0.1  # weight of a new observation in the moving averages
+# ... in the average of what verification adds to a step: a structural ratio (the rejection
+# sampler, per-sequence bookkeeping), not a level that follows the load. At SMOOTHING a noisy
+# machine (steps scattered by a quarter or more) swung it by about as much as drafting one
+# token gains, and each high swing switched drafting off where nothing corrects it.
+VERIFY_SMOOTHING = 0.03
 DECAY = 0.98  # acceptance counts: about the last 50 runs matter
 PRIOR_ACCEPTANCE = 0.5  # the first position, before any run reached it
 PRIOR_RUNS = 2.0  # pseudo-runs behind each position's estimate
 PLAUSIBLE = 0.9  # explore the next length while its rate is within this of the best
 RARELY = 16  # ... and every RARELY-th exploring step otherwise
+# While a decoder is not drafting at all, nothing but exploring updates what it would accept
+# and cost, so a plausible length is re-tried this many times as often: an estimate that
+# dipped by chance would otherwise hold drafting off for long stretches. Together with
+# VERIFY_SMOOTHING, in `python -m tooling.bench.policy_simulation` (a drafter right 46% of the
+# time, steps scattered by a log-normal spread of 0.5): plain steps 47% -> 13%, and the policy
+# at 0.96x -> 0.99x of fixed k = 1.
+PLAIN_EXPLORE_FACTOR = 4
 OPTIMISM = 1.5  # standard errors added to an acceptance when judging what to explore
 
 
@@ -117,6 +130,7 @@ class StepCostModel:
     # where it lost. A ratio on top of s, not a scale of its own: drafted steps are rare
     # under load, and a scale last updated at a lighter load made drafting look cheap.
     verify_ratio: float = 1.0
+    verified_steps: int = 0  # drafted steps observed (the ratio's plain mean until then)
     # The rest of a step, outside its forward pass and drafting (scheduling, appending tokens,
     # the outputs, this policy): the same whether or not it drafts, so it weighs on the plain
     # step's one token more than on a drafting step's several. Left out, a drafter that wins
@@ -146,7 +160,9 @@ class StepCostModel:
             self.seconds[num_tokens] = _ema(self.seconds.get(num_tokens), seconds)
         expected = self._model(num_tokens, keys)
         if expected and drafted:
-            self.verify_ratio = _ema(self.verify_ratio, seconds / (expected * self.scale))
+            self.verified_steps += 1
+            weight = max(VERIFY_SMOOTHING, 1 / self.verified_steps)
+            self.verify_ratio = _ema(self.verify_ratio, seconds / (expected * self.scale), weight)
         elif expected:
             self.scale = _ema(self.scale, seconds / expected)
 
@@ -337,7 +353,7 @@ class GoodputPolicy:
             self.explore = False
         elif nxt not in rates:
             self.explore = True  # never measured: one sequence tries it now
-        elif record.choices % self.explore_every == 0:
+        elif record.choices % self._explore_interval(best) == 0:
             record.exploring_choices += 1
             plausible = hopes[nxt] >= PLAUSIBLE * rates[best][0]
             self.explore = plausible or record.exploring_choices % RARELY == 0
@@ -346,6 +362,9 @@ class GoodputPolicy:
         self.predicted_seconds = None if self.explore or not rates else rates[best][1]
         self.chosen[decoder][best] += 1
         return best
+
+    def _explore_interval(self, best: int) -> int:
+        return self.explore_every if best else max(1, self.explore_every // PLAIN_EXPLORE_FACTOR)
 
     def observe_step(
         self, num_tokens: int, seconds: float, keys: int = 0, drafted: bool = False

@@ -70,6 +70,9 @@ _GROUPS: dict[str, dict[str, str]] = {
         "ONEDNN_BATCH_HINT": "engine.models.linear",
         "onednn_available": "engine.models.linear",
         "ConstraintFactory": "engine.constraints.state",
+        # The goodput policy, driven step by step in a simulated machine.
+        "GoodputPolicy": "engine.draft_policy",
+        "StepTimings": "engine.draft_policy",
     },
 }
 
