@@ -228,8 +228,7 @@ def joined(splits: list[FeatureSplit]) -> FeatureSplit:
         [q for s in splits for q in s.sequences],
         [a for s in splits for a in s.starts],
         [f for s in splits for f in s.features],
-        [s.spans[i] if s.spans else [(s.starts[i], len(s.sequences[i]))]
-         for s in splits for i in range(len(s.sequences))],  # fmt: skip
+        [s.answer_spans(i) for s in splits for i in range(len(s.sequences))],
         [source for s in splits for source in s.sources],
         [t for s in splits for t in s.temperatures] if known else None,
     )
