@@ -73,3 +73,38 @@ def test_an_interrupted_run_goes_on_where_it_stopped(smollm2_llm, tmp_path):
     with pytest.raises(ValueError, match="name a new file"):
         write_self_prompts(smollm2_llm, 5, other, batch=1)
     assert other.read_text() == "my own data\n"
+
+
+def test_openers_begin_the_requests_in_turn_and_the_model_writes_the_rest(smollm2_llm, tmp_path):
+    from tooling.training.self_prompts import write_self_prompts
+
+    openers = ("Why", "Describe", "How do I")
+    path = tmp_path / "opened.jsonl"
+    # One at a time, so request i is exactly the one seeded for opener i mod 3.
+    report = write_self_prompts(smollm2_llm, 4, path, seed=5, batch=1, openers=openers)
+    texts = [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()]
+    assert report.kept == 4 and len(texts) == 4
+    assert all(any(t.startswith(o + " ") for o in openers) for t in texts)
+    assert all(len(t.split()) >= 4 for t in texts)  # the model wrote on past the opener
+    assert len({t.split()[0] for t in texts}) >= 2  # the openers take turns
+    plain = tmp_path / "plain.jsonl"
+    write_self_prompts(smollm2_llm, 4, plain, seed=5, batch=1)
+    assert plain.read_text() != path.read_text()
+    # Resuming with other openers would mix two recipes in one file: refused.
+    with pytest.raises(ValueError, match="name a new file"):
+        write_self_prompts(smollm2_llm, 6, path, seed=5, batch=1, openers=("Write",))
+
+
+def test_openers_come_builtin_or_from_a_file(tmp_path):
+    from tooling.training.self_prompts import BUILTIN_OPENERS, load_openers
+
+    assert load_openers(None) == ()
+    assert load_openers("builtin") == BUILTIN_OPENERS and "Why" in BUILTIN_OPENERS
+    mine = tmp_path / "openers.txt"
+    mine.write_text("Why\n\n  Tell me  \n")
+    assert load_openers(str(mine)) == ("Why", "Tell me")
+    (tmp_path / "empty.txt").write_text("\n")
+    with pytest.raises(ValueError, match="names no opener"):
+        load_openers(str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match="neither 'builtin' nor a file"):
+        load_openers(str(tmp_path / "missing.txt"))

@@ -187,8 +187,9 @@ def _kept_layers(text: str | None, num_layers: int) -> tuple[int, ...] | None:
 
 def _cmd_train_prompts(args: argparse.Namespace) -> int:
     from tooling.training.self_distillation import progress_bar
-    from tooling.training.self_prompts import write_self_prompts
+    from tooling.training.self_prompts import load_openers, write_self_prompts
 
+    openers = load_openers(args.openers)
     if args.count < 1 or args.batch < 1 or args.max_tokens < 1:
         raise ValueError("--count, --batch and --max-tokens must be >= 1")
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
@@ -198,7 +199,7 @@ def _cmd_train_prompts(args: argparse.Namespace) -> int:
     with progress_bar(args.count, "requests kept") as bar:
         report = write_self_prompts(
             llm, args.count, output, args.seed, args.temperature, args.top_p, args.max_tokens,
-            args.batch, bar.update,
+            args.batch, bar.update, openers,
         )  # fmt: skip
     print(f"{output}: {report.summary()}")
     print(f"next: specserve train data --from {output}")
@@ -225,6 +226,12 @@ def _add_prompts_parser(which) -> None:
     p.add_argument("--max-tokens", type=int, default=96, help="longer requests are left out")
     p.add_argument("--batch", type=int, default=64, help="requests written together")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--openers",
+        help="'builtin' (What, Why, How do I, Explain, Write a, Compare, ...) or a text file "
+        "of openers, one a line: request i begins with opener i mod their number and the "
+        "model writes the rest (default: the model begins its requests itself)",
+    )
     p.set_defaults(func=_cmd_train_prompts)
 
 

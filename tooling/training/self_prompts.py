@@ -14,6 +14,12 @@ is kept only if it ended by itself (an end of turn, not the token limit), has a 
 not too many, holds no template tokens, and is new. The kept ones are written as JSONL
 conversations (``{"messages": [{"role": "user", ...}]}``), which ``specserve train data
 --from FILE`` turns into training shards answered by the target.
+
+Left alone, the model writes mostly one kind of request ("I'm planning to ... Can you help?"),
+and a drafter that learnt from those was right on 68% of their held-out answer tokens but on
+40-45% of plain factual questions' answers. ``openers`` widens the mix: each request begins
+with one of a few words of ours ("Why", "Describe", "Write") and the model writes the rest, so
+requests of every common form come from the model in its own words.
 """
 
 from __future__ import annotations
@@ -28,6 +34,15 @@ from tooling.training.prompt_mix import benchmark_prompts
 
 MARK = "\u2063SPECSERVE-USER-TURN\u2063"  # stands for the user's message in the template
 MIN_WORDS, MAX_WORDS = 4, 80
+# The first words of requests of the common forms: questions, explanations, instructions,
+# comparisons, writing. Ours, generic; the model writes everything after them.
+BUILTIN_OPENERS = (
+    "What", "What is", "What are", "Why", "Why do", "How", "How do I", "How does",
+    "Explain", "Can you explain", "Describe", "Tell me about", "Write", "Write a",
+    "Give me", "List", "Summarize", "Compare", "What is the difference between", "Suggest",
+    "Help me", "Is it", "Which", "Who", "When", "Should I", "Create", "Translate",
+    "I need", "Please",
+)  # fmt: skip
 
 
 def normalized(text: str) -> str:
@@ -104,13 +119,31 @@ def _resume(output: Path, settings: dict, report: SelfPromptReport, seen: set[st
     return lines
 
 
+def load_openers(spec: str | None) -> tuple[str, ...]:
+    """``--openers``: None (the model begins requests itself), "builtin", or a text file with
+    one opener a line."""
+    if spec is None:
+        return ()
+    if spec == "builtin":
+        return BUILTIN_OPENERS
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--openers {spec}: neither 'builtin' nor a file")
+    openers = tuple(line.strip() for line in path.read_text().splitlines() if line.strip())
+    if not openers:
+        raise ValueError(f"--openers {spec}: the file names no opener")
+    return openers
+
+
 def write_self_prompts(llm, count: int, output: Path, seed: int = 0, temperature: float = 1.0,
                        top_p: float = 0.95, max_tokens: int = 96, batch: int = 64,
-                       progress=None) -> SelfPromptReport:  # fmt: skip
+                       progress=None,
+                       openers: tuple[str, ...] = ()) -> SelfPromptReport:  # fmt: skip
     """Has ``llm``'s model write user requests until ``output`` (JSONL, one conversation a
     line) holds ``count``. Request i is sampled with seed ``seed * 1000003 + i``, so an
     interrupted run, started again with the same settings, goes on where it stopped and
-    writes the same file (its progress is kept beside it, batch by batch)."""
+    writes the same file (its progress is kept beside it, batch by batch). With ``openers``,
+    request i begins with ``openers[i % len(openers)]`` and the model writes the rest."""
     from engine.toolkit import SamplingParams
 
     if count < 1:
@@ -121,6 +154,10 @@ def write_self_prompts(llm, count: int, output: Path, seed: int = 0, temperature
     benchmark = frozenset(normalized(text) for text in benchmark_prompts())
     settings = {"model": Path(str(llm.model_dir)).name, "seed": seed, "temperature": temperature,
                 "top_p": top_p, "max_tokens": max_tokens}  # fmt: skip
+    if openers:  # only then, so that files written before openers existed still resume
+        settings["openers"] = list(openers)
+    # Each opener's tokens continue the template: the model writes on from its last word.
+    begun = [llm.tokenizer.encode(o, add_special_tokens=False) for o in openers] or [[]]
     seen: set[str] = set()
     report = SelfPromptReport()
     lines = _resume(output, settings, report, seen)
@@ -135,11 +172,13 @@ def write_self_prompts(llm, count: int, output: Path, seed: int = 0, temperature
                                seed=seed * 1_000_003 + report.written + i)  # fmt: skip
                 for i in range(batch)
             ]
-            for result in llm.generate([opening] * batch, params):
+            starts = [begun[(report.written + i) % len(begun)] for i in range(batch)]
+            results = llm.generate([opening + start for start in starts], params)
+            for start, result in zip(starts, results, strict=True):
                 if report.kept == count:
                     break  # the batch's rest is neither kept nor counted
                 report.written += 1
-                text = llm.decode(result.outputs[0].token_ids).strip()
+                text = llm.decode(start + list(result.outputs[0].token_ids)).strip()
                 why = rejection(text, result.outputs[0].finish_reason, seen, benchmark)
                 if why is not None:
                     report.rejected[why] += 1
