@@ -87,6 +87,11 @@ class DecoderConfig(_Strict):
     # step. On a 2-core CPU, where one draft makes a step 1.2-1.3x, 1.1 keeps a single stream
     # plain; cheap drafts verified where a few more tokens cost little (a GPU) can fit it.
     max_step_stretch: float | None = Field(None, ge=1.0)
+    # The goodput policy verifies a greedy chain's drafts only while their chance of standing
+    # (the drafter's top-1 probabilities multiplied along the chain) pays for the verification
+    # row at the measured step costs (engine/draft_policy.py, "chance_floor"). False: verify
+    # everything drafted (the A/B's other side).
+    trim_unlikely_drafts: bool = True
     # Also load the trained drafters that ship for the model (engine/drafters/), so that a
     # request can pick medusa, hydra, eagle, eagle3 or kangaroo without training one first. Loaded
     # but unused, they cost memory only: a step runs plain unless a sequence drafts.

@@ -193,8 +193,15 @@ def _k(name: str, *ks: int) -> dict[str, dict]:
     return {f"{name}-k{k}": {"method": name, "num_speculative_tokens": k} for k in ks}
 
 
-def _goodput(name: str) -> dict[str, dict]:
-    return {f"{name}-goodput": {"method": name, "draft_policy": "goodput"}}
+def _goodput(name: str, untrimmed: bool = False) -> dict[str, dict]:
+    """The policy's variant; with ``untrimmed`` also the policy verifying every draft it has
+    drafted (the chance floor's A/B, for drafters whose chains carry probabilities)."""
+    variants = {f"{name}-goodput": {"method": name, "draft_policy": "goodput"}}
+    if untrimmed:
+        variants[f"{name}-goodput-untrimmed"] = {
+            "method": name, "draft_policy": "goodput", "trim_unlikely_drafts": False
+        }  # fmt: skip
+    return variants
 
 
 def _hybrid_k1(variant: str, **hybrid) -> dict[str, dict]:
@@ -313,7 +320,7 @@ register(
             "eagle3": {"method": "eagle3"},
             **_k("eagle3", 1, 2, 3),
             "eagle3-tree2": {"method": "eagle3", "eagle3": {"tree_top_k": 2}},
-            **_goodput("eagle3"),
+            **_goodput("eagle3", untrimmed=True),
         },
     )  # fmt: skip
 )

@@ -34,6 +34,16 @@ otherwise (a loss by the estimates is seldom worth re-checking, and each
 check slows a step). "Could be" reads each acceptance ``OPTIMISM`` standard errors high: a few
 unlucky first runs (one accepted of five, for a drafter right 46% of the time) must not file a
 length under "clear loss" before enough runs say so.
+Each choice also sets the decoder's ``chance_floor``: what a verified row must be worth. A
+draft whose chance of standing is below it costs its row more than it is expected to bring:
+
+    floor = (T(step) - T(step less one row per sequence)) / B * tokens per second
+
+(``Speculator.propose`` trims greedy chains at the first draft under it, reading the chance as
+the product of the drafter's top-1 probabilities along the chain). On a GPU a row is nearly
+free and the floor is near 0; on a 2-core CPU one verified row costs a fifth to a quarter of a
+step, the floor is about 0.25, and an EAGLE-3 draft given 0.1-0.2 by its drafter was accepted
+20% of the time.
 With ``max_step_stretch`` s it only considers lengths whose predicted step (drafting,
 forward and verification) takes at most s times the plain step's, and explores none beyond: a
 bound on how much further apart drafting spaces a stream's chunks (inter-token latency).
@@ -299,6 +309,10 @@ class GoodputPolicy:
         self.chosen: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.predicted_seconds: float | None = None  # the last choice's predicted step time
         self.explore = False  # whether one sequence should draft one more than the choice
+        # Per decoder, the chance a draft must have to be verified in the step just chosen
+        # (None: verify whatever is drafted; see the module docstring).
+        self.chance_floors: dict[str, float | None] = {}
+        self.chosen_rates: dict[str, float] = {}  # and the tokens a second it predicted
 
     @property
     def calibrated(self) -> bool:
@@ -329,6 +343,7 @@ class GoodputPolicy:
         record = self.decoders[decoder]
         record.choices += 1
         rates: dict[int, tuple[float, float]] = {}  # k -> (tokens per second, step seconds)
+        forwards: dict[int, float] = {}  # k -> the forward pass's predicted seconds
         hopes: dict[int, float] = {}  # k -> tokens per second at optimistic acceptance
         too_long = False  # the next length's step is known to break max_step_stretch
         for k in range(cap + 1):
@@ -345,6 +360,7 @@ class GoodputPolicy:
             expected = other_tokens + num_seqs * (1 + record.expected_accepted(k))
             whole = forward + drafting + self.cost.overhead  # the step, start to end
             rates[k] = (expected / whole, forward + drafting)
+            forwards[k] = forward
             hoped = other_tokens + num_seqs * (1 + record.expected_accepted(k, OPTIMISM))
             hopes[k] = hoped / whole
         best = max(rates, key=lambda k: rates[k][0]) if rates else 0
@@ -360,8 +376,22 @@ class GoodputPolicy:
         else:
             self.explore = False
         self.predicted_seconds = None if self.explore or not rates else rates[best][1]
+        self.chance_floors[decoder] = None
+        self.chosen_rates[decoder] = rates[best][0] if rates else 0.0
+        if best > 0 and not self.explore:  # an explored length is tried untrimmed
+            row = (forwards[best] - forwards[best - 1]) / num_seqs
+            self.chance_floors[decoder] = max(0.0, row) * rates[best][0]
         self.chosen[decoder][best] += 1
         return best
+
+    def chosen_rate(self, decoder: str) -> float:
+        """The tokens a second predicted for the length last chosen for ``decoder``."""
+        return self.chosen_rates.get(decoder, 0.0)
+
+    def chance_floor(self, decoder: str) -> float | None:
+        """The least chance of standing worth a verified row in the step last chosen for
+        ``decoder`` (None: no floor)."""
+        return self.chance_floors.get(decoder)
 
     def _explore_interval(self, best: int) -> int:
         return self.explore_every if best else max(1, self.explore_every // PLAIN_EXPLORE_FACTOR)

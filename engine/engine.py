@@ -196,6 +196,7 @@ class Engine:
             if config.draft_policy == "goodput"
             else None,
             num_target_layers=self.model.arch.num_layers,
+            trim_drafts=config.trim_unlikely_drafts,
         )
 
     def _step_cost_timer(self, config: DecoderConfig):

@@ -95,6 +95,7 @@ class Speculator:
         kv_cache: KVCache | None = None,
         policy: GoodputPolicy | None = None,
         num_target_layers: int = 0,
+        trim_drafts: bool = True,
     ):
         self.model_layers = num_target_layers  # the layers feature-reading decoders pick from
         self.decoders = decoders  # drafting decoders by name (autoregressive is not one)
@@ -105,6 +106,7 @@ class Speculator:
         self.max_model_len = max_model_len
         self.gate = gate or TargetConfidenceGate(None)
         self.policy = policy  # None: draft what the decoders ask for (fixed k)
+        self.trim_drafts = trim_drafts  # by the policy's chance floor
         # The policy's prediction for the latest step it chose for, and that step's drafting
         # plus forward time (seconds; 0 without a policy or before its first estimate).
         self.predicted_step_seconds = 0.0
@@ -114,6 +116,10 @@ class Speculator:
         self.rejection_sampler = RejectionSampler(eos_token_ids)
         self.stats = SpecDecodeStats()  # all decoders together
         self.stats_by_decoder = {name: SpecDecodeStats() for name in decoders}
+        # Drafts not verified because their chance was under the policy's floor, and this
+        # step's trimmed sequences' lengths before trimming.
+        self.num_trimmed_drafts = 0
+        self._drafted: dict[Sequence, int] = {}
 
     @property
     def reads_target_hidden(self) -> bool:
@@ -206,24 +212,46 @@ class Speculator:
 
     def propose(self, scheduled: list[ScheduledSequence]) -> dict[Sequence, Proposal]:
         """Drafts for the sequences granted lookahead slots; a sequence's ``num_lookahead``
-        becomes the number of drafts it really got (a window may stop short of the grant)."""
+        becomes the number of drafts it really got (a window may stop short of the grant, and
+        the policy's chance floor trims drafts not worth their verification row)."""
         granted = {s.seq: s for s in scheduled if s.num_lookahead > 0}
         proposals: dict[Sequence, Proposal] = {}
+        floors: dict[Sequence, float] = {}
+        trims = self.policy is not None and self.trim_drafts
         for decoder, seqs in self._by_decoder(granted).items():
             grants = {s: granted[s].num_lookahead for s in seqs}
             for source, group in _by_source(decoder, grants).items():
                 proposals.update(self._proposals_of(decoder, source, group))
+                floor = self.policy.chance_floor(source) if trims else None
+                if floor:
+                    floors.update(dict.fromkeys(group, floor))
+        self._drafted = {}
         for seq, s in granted.items():
             proposal = proposals.get(seq)
             count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
+            if proposal is not None and seq in floors:
+                worth = drafts_worth_verifying(seq, proposal, floors[seq])
+                if worth < count:
+                    self.num_trimmed_drafts += count - worth
+                    self._drafted[seq] = count  # the policy counts the trimmed as rejected
+                    count = worth
             if proposal is not None and count == 0:
                 del proposals[seq]
+                if seq in self._drafted:
+                    self._verified_nothing(seq, proposal)
             elif proposal is not None:
                 if proposal.parents is not None and self.kv_cache is None:
                     raise ValueError(f"decoder of {seq.request_id} proposed a tree: no KV cache")
                 proposals[seq] = proposal.truncated(count)
             s.num_lookahead = count
         return proposals
+
+    def _verified_nothing(self, seq: Sequence, proposal: Proposal) -> None:
+        """Every draft of ``seq`` was trimmed: the drafter rolls back as after a verification
+        that accepted none, and the policy hears of a run with none accepted."""
+        decoder = self.decoder_of(seq)
+        decoder.on_verified(seq, proposal.truncated(0), 0)
+        self.policy.observe_run(decoder.draft_source(seq), self._drafted.pop(seq), 0)
 
     def _proposals_of(self, decoder: Decoder, source: str, grants: dict[Sequence, int]) -> dict:
         """One draft source's proposals for its granted sequences, its drafting timed for
@@ -342,9 +370,11 @@ class Speculator:
                 decoder.on_verified(s.seq, proposals[s.seq], v.num_accepted)
                 self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
                 if self.policy is not None:
+                    drafted = self._drafted.pop(s.seq, k)  # with the trimmed ones
                     self.policy.observe_run(
-                        decoder.draft_source(s.seq), k, v.num_accepted, tree=run.parents is not None
-                    )
+                        decoder.draft_source(s.seq), drafted, v.num_accepted,
+                        tree=run.parents is not None,
+                    )  # fmt: skip
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
             accepted[s.seq] = v.num_accepted
@@ -445,3 +475,23 @@ def _by_source(decoder: Decoder, wants: dict[Sequence, int]) -> dict[str, dict[S
     for seq, n in wants.items():
         groups.setdefault(decoder.draft_source(seq), {})[seq] = n
     return groups
+
+
+def drafts_worth_verifying(seq: Sequence, proposal: Proposal, floor: float) -> int:
+    """How many of a greedy chain's drafts have a chance of standing of at least ``floor``:
+    the drafter's top-1 probabilities multiplied along the chain (a greedy draft stands when
+    it is the target's argmax, which a calibrated drafter's top-1 probability estimates).
+    Trees, sampled requests (whose drafts stand by the ratio of two distributions) and drafts
+    without probabilities (lookup's, read as 1) keep every draft."""
+    drafts = len(proposal.token_ids)
+    if proposal.parents is not None and any(p != i - 1 for i, p in enumerate(proposal.parents)):
+        return drafts
+    if not seq.sampling_params.greedy or len(proposal.confidences) < drafts:
+        return drafts
+    chance, worth = 1.0, 0
+    for confidence in proposal.confidences[:drafts]:
+        chance *= confidence
+        if chance < floor:
+            break
+        worth += 1
+    return worth
