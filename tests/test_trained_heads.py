@@ -183,3 +183,38 @@ def test_hydra_s_embedding_norm_is_pytorch_s_in_drafts_and_in_training():
     expected = x.clone().requires_grad_()
     F.rms_norm(expected, (576,))[:, :, 0].sum().backward()
     torch.testing.assert_close(leaf.grad, expected.grad)
+
+
+def test_proposals_carry_each_node_s_probability_under_its_head(kind, drafter_dir, tiny_model_dir):
+    # The policy's chance floor reads them: a node's confidence is its head's softmax
+    # probability of the node's token, the first node's the largest of head 1's.
+    llm = trained_llm(kind, tiny_model_dir, drafter_dir)
+    decoder = llm.engine.speculator.decoders[kind]
+    seen = []
+    propose = decoder.propose
+
+    def recording(seqs, num_drafts):
+        proposals = propose(seqs, num_drafts)
+        seen.extend(proposals.values())
+        return proposals
+
+    decoder.propose = recording
+    llm.generate(PROMPTS[:2], GREEDY)
+    assert seen
+    for proposal in seen:
+        assert len(proposal.confidences) == len(proposal.token_ids)
+        assert all(0 < c <= 1 for c in proposal.confidences)
+        assert any(c < 1 for c in proposal.confidences)  # probabilities, not placeholders
+        children = [i for i, p in enumerate(proposal.parents) if p == -1]
+        # The first-level candidates in rank order: the top one's probability the largest.
+        firsts = [proposal.confidences[i] for i in children]
+        assert firsts == sorted(firsts, reverse=True)
+    guesses = torch.randn(3, decoder.model.arch.hidden_size)
+    tokens, chances = decoder.ranked_candidates(guesses, 2)
+    logits = decoder.readout(guesses).float()
+    expected = torch.softmax(logits, dim=-1).topk(2, dim=-1)
+    assert tokens == decoder.draft_vocab[expected.indices].tolist()
+    assert torch.allclose(torch.tensor(chances), expected.values, atol=1e-6)
+    top1, one = decoder.ranked_candidates(guesses, 1)
+    assert [t[0] for t in top1] == [t[0] for t in tokens]
+    assert torch.allclose(torch.tensor(one)[:, 0], expected.values[:, 0], atol=1e-6)

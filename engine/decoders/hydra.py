@@ -100,6 +100,7 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
         decode = embed(torch.tensor([s.token_ids[-1] for s in seqs])).float()  # [B, d]
         # candidates[path] = [b][i]: the top tokens after path's tokens, for each sequence.
         candidates: dict[tuple, list[list[int]]] = {}
+        chances: dict[tuple, list[list[float]]] = {}  # ... and their heads' probabilities
         for depth in range(1, max(len(p) for p in tree) + 1):
             parents = list(dict.fromkeys(p[:-1] for p in tree if len(p) == depth))
             # Each parent's path tokens, per sequence: [parents * B] rows of depth - 1 tokens.
@@ -117,10 +118,15 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
             linears = (self.inputs[j], self.blocks[j])
             read = features if len(parents) == 1 else features.repeat(len(parents), 1)
             guesses = self.heads.head(j, read, embeddings, linears)
-            top = self.top_candidates(guesses, self.ranks_used(num_paths, depth))
+            top, probs = self.ranked_candidates(guesses, self.ranks_used(num_paths, depth))
             for k, parent in enumerate(parents):
                 candidates[parent] = top[k * batch : (k + 1) * batch]
-        return self.proposals(seqs, num_drafts, lambda b, p: candidates[p[:-1]][b][p[-1]])
+                chances[parent] = probs[k * batch : (k + 1) * batch]
+        return self.proposals(
+            seqs, num_drafts,
+            lambda b, p: candidates[p[:-1]][b][p[-1]],
+            lambda b, p: chances[p[:-1]][b][p[-1]],
+        )  # fmt: skip
 
 
 def build_hydra_decoder(config: DecoderConfig, target: TargetContext) -> HydraDecoder:

@@ -56,8 +56,13 @@ class MedusaDecoder(TrainedHeadsDecoder, Decoder):
         )  # [heads used, B, d]
         heads, batch, width = guesses.shape
         count = max(self.ranks_used(num_paths, d) for d in range(1, depth + 1))
-        top = self.top_candidates(guesses.reshape(heads * batch, width), count)  # [h * B + b][i]
-        return self.proposals(seqs, num_drafts, lambda b, p: top[(len(p) - 1) * batch + b][p[-1]])
+        # [h * B + b][i]: head h's i-th token for sequence b, and its probability
+        top, chances = self.ranked_candidates(guesses.reshape(heads * batch, width), count)
+        return self.proposals(
+            seqs, num_drafts,
+            lambda b, p: top[(len(p) - 1) * batch + b][p[-1]],
+            lambda b, p: chances[(len(p) - 1) * batch + b][p[-1]],
+        )  # fmt: skip
 
 
 def build_medusa_decoder(config: DecoderConfig, target: TargetContext) -> MedusaDecoder:

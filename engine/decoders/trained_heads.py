@@ -134,23 +134,40 @@ class TrainedHeadsDecoder:
 
     def top_candidates(self, guesses: torch.Tensor, count: int | None = None) -> list[list[int]]:
         """[N, d] head outputs -> each one's top ``count`` (default top_k) draft tokens (token
-        ids). One is an argmax, which costs a fraction of a top-k over the draft vocabulary."""
+        ids)."""
+        return self.ranked_candidates(guesses, count)[0]
+
+    def ranked_candidates(
+        self, guesses: torch.Tensor, count: int | None = None
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """[N, d] head outputs -> each one's top ``count`` (default top_k) draft tokens (token
+        ids), and the head's probability of each (the draft's chance of being the target's
+        choice, for the policy's chance floor). One is an argmax, which costs a fraction of a
+        top-k over the draft vocabulary."""
         logits = self.readout(guesses).float()
         count = self.top_k if count is None else min(count, self.top_k)
+        normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
         if count == 1:
-            return [[t] for t in self.draft_vocab[greedy_tokens(logits)].tolist()]
-        return self.draft_vocab[logits.topk(count, dim=-1).indices].tolist()
+            picks = greedy_tokens(logits)
+            values = logits.gather(-1, picks.unsqueeze(-1))
+            tokens = self.draft_vocab[picks].unsqueeze(-1)
+        else:
+            values, indices = logits.topk(count, dim=-1)
+            tokens = self.draft_vocab[indices]
+        return tokens.tolist(), torch.exp(values - normalizer).tolist()
 
     def ranks_used(self, num_paths: int, depth: int) -> int:
         """How many of a head's top tokens the first ``num_paths`` paths of the tree use at
         ``depth`` (1: head 1)."""
         return 1 + max((p[-1] for p in self.tree[:num_paths] if len(p) == depth), default=0)
 
-    def proposals(self, seqs, num_drafts, token_of) -> dict:
-        """``token_of(b, path)``: the draft token of ranked path ``path`` for sequence b."""
+    def proposals(self, seqs, num_drafts, token_of, chance_of) -> dict:
+        """``token_of(b, path)``: the draft token of ranked path ``path`` for sequence b;
+        ``chance_of(b, path)``: its head's probability of it (the proposal's confidence)."""
         out = {}
         for b, seq in enumerate(seqs):
             n = num_drafts[seq]
             drafts = [token_of(b, path) for path in self.tree[:n]]
-            out[seq] = Proposal(drafts, None, [1.0] * n, [0.0] * n, parents=self.parents[:n])
+            chances = [chance_of(b, path) for path in self.tree[:n]]
+            out[seq] = Proposal(drafts, None, chances, [0.0] * n, parents=self.parents[:n])
         return out
