@@ -39,11 +39,14 @@ draft whose chance of standing is below it costs its row more than it is expecte
 
     floor = (T(step) - T(step less one row per sequence)) / B * tokens per second
 
-(``Speculator.propose`` trims greedy chains at the first draft under it, reading the chance as
-the product of the drafter's top-1 probabilities along the chain). On a GPU a row is nearly
-free and the floor is near 0; on a 2-core CPU one verified row costs a fifth to a quarter of a
-step, the floor is about 0.25, and an EAGLE-3 draft given 0.1-0.2 by its drafter was accepted
-20% of the time.
+(``Speculator.propose`` trims greedy chains at the first draft under it). A draft's chance is
+its drafter's top-1 probability as calibrated by that decoder's verified drafts
+(``DecoderRecord.calibrated``: accepted over judged per tenth of probability, with
+``CALIBRATION_PRIOR`` pseudo-drafts at the probability itself), multiplied along the chain.
+Drafters differ: a shipped EAGLE-3's drafts given 0.3-0.4 were accepted 46% of the time,
+Hydra's 25%. Exploring steps verify untrimmed, so the tenths under the floor keep being
+judged. On a GPU a row is nearly free and the floor is near 0; on a 2-core CPU one verified row
+costs a fifth to a quarter of a step and the floor is about 0.25.
 With ``max_step_stretch`` s it only considers lengths whose predicted step (drafting,
 forward and verification) takes at most s times the plain step's, and explores none beyond: a
 bound on how much further apart drafting spaces a stream's chunks (inter-token latency).
@@ -77,6 +80,8 @@ RARELY = 16  # ... and every RARELY-th exploring step otherwise
 # at 0.96x -> 0.99x of fixed k = 1.
 PLAIN_EXPLORE_FACTOR = 4
 OPTIMISM = 1.5  # standard errors added to an acceptance when judging what to explore
+CHANCE_BINS = 10  # a drafter's top-1 probabilities are calibrated per tenth
+CALIBRATION_PRIOR = 8.0  # pseudo-drafts per tenth, accepted at the probability itself
 
 
 def _ema(old: float | None, new: float, weight: float = SMOOTHING) -> float:
@@ -206,6 +211,30 @@ class DecoderRecord:
     # drafter) each get their turn at the periodic re-check, not always the same one.
     choices: int = 0
     exploring_choices: int = 0
+    # Per tenth of the drafter's top-1 probability: verified drafts judged, and accepted
+    # (decaying like the positions' counts).
+    judged: list[float] = field(default_factory=lambda: [0.0] * CHANCE_BINS)
+    right: list[float] = field(default_factory=lambda: [0.0] * CHANCE_BINS)
+
+    def observe_chances(self, confidences: list[float], num_accepted: int) -> None:
+        """A verified chain's drafts with their top-1 probabilities: each judged one (every
+        draft up to the first rejected) counts in its tenth."""
+        judged = confidences[: num_accepted + 1]
+        if not judged:
+            return
+        self.judged = [n * DECAY for n in self.judged]
+        self.right = [n * DECAY for n in self.right]
+        for j, confidence in enumerate(judged):
+            b = min(CHANCE_BINS - 1, max(0, int(confidence * CHANCE_BINS)))
+            self.judged[b] += 1
+            self.right[b] += j < num_accepted
+
+    def calibrated(self, confidence: float) -> float:
+        """How often a draft given ``confidence`` by its drafter was accepted."""
+        b = min(CHANCE_BINS - 1, max(0, int(confidence * CHANCE_BINS)))
+        return (self.right[b] + CALIBRATION_PRIOR * confidence) / (
+            self.judged[b] + CALIBRATION_PRIOR
+        )
 
     def observe_draft(self, depth: int, num_seqs: int, seconds: float) -> None:
         key = (depth, num_seqs)
@@ -383,6 +412,14 @@ class GoodputPolicy:
             self.chance_floors[decoder] = max(0.0, row) * rates[best][0]
         self.chosen[decoder][best] += 1
         return best
+
+    def observe_chances(self, decoder: str, confidences: list[float], num_accepted: int) -> None:
+        self.decoders[decoder].observe_chances(confidences, num_accepted)
+
+    def chance(self, decoder: str, confidence: float) -> float:
+        """A draft's chance of standing from its drafter's top-1 probability, as calibrated by
+        ``decoder``'s verified drafts."""
+        return self.decoders[decoder].calibrated(confidence)
 
     def chosen_rate(self, decoder: str) -> float:
         """The tokens a second predicted for the length last chosen for ``decoder``."""

@@ -13,7 +13,9 @@ after the decode token, so the cache holds the path as if it had been a chain.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -216,7 +218,7 @@ class Speculator:
         the policy's chance floor trims drafts not worth their verification row)."""
         granted = {s.seq: s for s in scheduled if s.num_lookahead > 0}
         proposals: dict[Sequence, Proposal] = {}
-        floors: dict[Sequence, float] = {}
+        floors: dict[Sequence, tuple[float, str]] = {}
         trims = self.policy is not None and self.trim_drafts
         for decoder, seqs in self._by_decoder(granted).items():
             grants = {s: granted[s].num_lookahead for s in seqs}
@@ -224,13 +226,15 @@ class Speculator:
                 proposals.update(self._proposals_of(decoder, source, group))
                 floor = self.policy.chance_floor(source) if trims else None
                 if floor:
-                    floors.update(dict.fromkeys(group, floor))
+                    floors.update(dict.fromkeys(group, (floor, source)))
         self._drafted = {}
         for seq, s in granted.items():
             proposal = proposals.get(seq)
             count = min(len(proposal.token_ids), s.num_lookahead) if proposal else 0
             if proposal is not None and seq in floors:
-                worth = drafts_worth_verifying(seq, proposal, floors[seq])
+                floor, source = floors[seq]
+                chance = functools.partial(self.policy.chance, source)
+                worth = drafts_worth_verifying(seq, proposal, floor, chance)
                 if worth < count:
                     self.num_trimmed_drafts += count - worth
                     self._drafted[seq] = count  # the policy counts the trimmed as rejected
@@ -371,10 +375,14 @@ class Speculator:
                 self.stats_by_decoder[decoder.name].record(k, v.num_accepted)
                 if self.policy is not None:
                     drafted = self._drafted.pop(s.seq, k)  # with the trimmed ones
+                    source = decoder.draft_source(s.seq)
                     self.policy.observe_run(
-                        decoder.draft_source(s.seq), drafted, v.num_accepted,
-                        tree=run.parents is not None,
-                    )  # fmt: skip
+                        source, drafted, v.num_accepted, tree=run.parents is not None
+                    )
+                    if _is_greedy_chain(s.seq, proposals[s.seq]):
+                        self.policy.observe_chances(
+                            source, proposals[s.seq].confidences, v.num_accepted
+                        )
                 self.stats.record(k, v.num_accepted)
             results.append((s.seq, v.tokens))
             accepted[s.seq] = v.num_accepted
@@ -477,21 +485,34 @@ def _by_source(decoder: Decoder, wants: dict[Sequence, int]) -> dict[str, dict[S
     return groups
 
 
-def drafts_worth_verifying(seq: Sequence, proposal: Proposal, floor: float) -> int:
-    """How many of a greedy chain's drafts have a chance of standing of at least ``floor``:
-    the drafter's top-1 probabilities multiplied along the chain (a greedy draft stands when
-    it is the target's argmax, which a calibrated drafter's top-1 probability estimates).
-    Trees, sampled requests (whose drafts stand by the ratio of two distributions) and drafts
-    without probabilities (lookup's, read as 1) keep every draft."""
+def _is_greedy_chain(seq: Sequence, proposal: Proposal) -> bool:
+    """A greedy request's chain (or one-path tree) whose drafts carry their drafter's top-1
+    probabilities (lookup's read 1: it has none)."""
     drafts = len(proposal.token_ids)
     if proposal.parents is not None and any(p != i - 1 for i, p in enumerate(proposal.parents)):
+        return False
+    return (
+        seq.sampling_params.greedy
+        and len(proposal.confidences) >= drafts
+        and any(c < 1 for c in proposal.confidences[:drafts])
+    )
+
+
+def drafts_worth_verifying(
+    seq: Sequence, proposal: Proposal, floor: float, chance: Callable[[float], float] = float
+) -> int:
+    """How many of a greedy chain's drafts have a chance of standing of at least ``floor``:
+    ``chance`` of each draft's top-1 probability (a greedy draft stands when it is the
+    target's argmax, which the drafter's probability, calibrated, estimates), multiplied along
+    the chain. Trees, sampled requests (whose drafts stand by the ratio of two distributions)
+    and drafts without probabilities keep every draft."""
+    drafts = len(proposal.token_ids)
+    if not _is_greedy_chain(seq, proposal):
         return drafts
-    if not seq.sampling_params.greedy or len(proposal.confidences) < drafts:
-        return drafts
-    chance, worth = 1.0, 0
+    together, worth = 1.0, 0
     for confidence in proposal.confidences[:drafts]:
-        chance *= confidence
-        if chance < floor:
+        together *= chance(confidence)
+        if together < floor:
             break
         worth += 1
     return worth

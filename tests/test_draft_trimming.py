@@ -5,12 +5,14 @@ engine/speculation.py ``drafts_worth_verifying``). Trimming never changes greedy
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 
 from engine import LLM, SamplingParams
 from engine.decoders.base import Proposal
+from engine.draft_policy import DecoderRecord
 from engine.speculation import drafts_worth_verifying
 from tests.test_draft_policy import trained_policy
 
@@ -62,18 +64,58 @@ def test_the_floor_is_what_a_row_costs_in_the_tokens_a_second_it_would_buy():
     assert policy.chance_floor("never chosen") is None
 
 
-@pytest.mark.parametrize("floor", [0.3, 0.99])
-def test_trimmed_drafts_leave_greedy_output_unchanged(tiny_model_dir, floor):
+def test_a_drafter_s_probabilities_are_calibrated_by_its_verified_drafts():
+    record = DecoderRecord()
+    assert record.calibrated(0.35) == pytest.approx(0.35)  # unjudged: the probability itself
+    draws = random.Random(1)
+    for _ in range(300):
+        # An overconfident drafter: given 0.35, right a quarter of the time; given 0.95, 90%.
+        first = draws.random() < 0.25
+        second = draws.random() < 0.9
+        record.observe_chances([0.35, 0.95], int(first) + int(first and second))
+    assert record.calibrated(0.35) == pytest.approx(0.25, abs=0.06)
+    assert record.calibrated(0.95) == pytest.approx(0.9, abs=0.06)
+    assert record.calibrated(0.62) == pytest.approx(0.62)  # a tenth never judged
+    # A draft after a rejected one was never judged: only the first counted there.
+    judged = sum(record.judged)
+    record.observe_chances([0.35, 0.95, 0.95], 0)
+    assert sum(record.judged) == pytest.approx(judged * 0.98 + 1)
+
+
+def _forced(llm, floor):
+    """The policy's choice and floor forced (a fault injection of costs): three drafts every
+    step, cut at ``floor`` (None: not cut)."""
+    policy = llm.engine.speculator.policy
+    policy.choose = lambda *args, **kwargs: 3
+    policy.chance_floor = lambda source: floor
+    return policy
+
+
+@pytest.mark.parametrize("cut", ["some", "all"])
+def test_trimmed_drafts_leave_greedy_output_unchanged(tiny_model_dir, cut):
     prompts = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [3] * 12]
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(prompts, greedy)]
     decoder = {"method": "draft", "draft_policy": "goodput", "num_speculative_tokens": 3}
+    # Untrimmed, the drafts' first probabilities; their median cuts some chains, 1.01 all.
+    untrimmed = LLM(model=str(tiny_model_dir), decoder={**decoder, "trim_unlikely_drafts": False})
+    _forced(untrimmed, 1.01)
+    firsts = []
+    propose = untrimmed.engine.speculator.decoders["draft"].propose
+
+    def recording(seqs, num_drafts):
+        proposals = propose(seqs, num_drafts)
+        firsts.extend(p.confidences[0] for p in proposals.values())
+        return proposals
+
+    untrimmed.engine.speculator.decoders["draft"].propose = recording
+    assert [o.token_ids for o in untrimmed.generate(prompts, greedy)] == expected
+    assert untrimmed.engine.speculator.num_trimmed_drafts == 0  # off: every draft verified
+    floor = sorted(firsts)[len(firsts) // 2] if cut == "some" else 1.01
+
     llm = LLM(model=str(tiny_model_dir), decoder=decoder)
     speculator = llm.engine.speculator
-    policy = speculator.policy
-    # The floor forced high (a fault injection of costs): the draft copy's chains get cut,
-    # at 0.99 mostly to nothing, so both partial and whole trims run through the engine.
-    policy.chance_floor = lambda source: floor
+    policy = _forced(llm, floor)
     runs: list[tuple[int, int]] = []
     observe = policy.observe_run
     policy.observe_run = lambda source, n, accepted, tree=False: (
@@ -86,8 +128,8 @@ def test_trimmed_drafts_leave_greedy_output_unchanged(tiny_model_dir, floor):
     # verified ones are only those that kept drafts.
     assert len(runs) >= stats.num_drafts and sum(n for n, _ in runs) > stats.num_draft_tokens
     assert speculator._drafted == {}  # nothing held past the steps
-    # Untrimmed, the same engine verifies every draft.
-    untrimmed = LLM(model=str(tiny_model_dir), decoder={**decoder, "trim_unlikely_drafts": False})
-    untrimmed.engine.speculator.policy.chance_floor = lambda source: 0.99
-    assert [o.token_ids for o in untrimmed.generate(prompts, greedy)] == expected
-    assert untrimmed.engine.speculator.num_trimmed_drafts == 0
+    if cut == "some":
+        assert stats.num_drafts > 0
+        assert sum(policy.decoders["draft"].judged) > 0  # verified drafts calibrate chances
+    else:
+        assert stats.num_drafts == 0 and len(runs) > 0
