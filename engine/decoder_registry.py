@@ -286,7 +286,10 @@ register(
         section=TrainedDrafterConfig,
         trained=True,
         network="engine.decoders.hydra:HydraHeads",
-        bench={"hydra": {"method": "hydra"}, **_k("hydra", 1, 2, 8), **_goodput("hydra")},
+        bench={
+            "hydra": {"method": "hydra"}, **_k("hydra", 1, 2, 8),
+            **_goodput("hydra", untrimmed=True),
+        },  # fmt: skip
     )
 )
 register(
@@ -347,7 +350,7 @@ register(
             **_hybrid_k1("hybrid-k1"),
             **_hybrid_k1("hybrid-k1-min2", lookup_min=2),
             **_hybrid_k1("hybrid-eagle3-k1", drafter="eagle3"),
-            **_goodput("hybrid"),
+            **_goodput("hybrid", untrimmed=True),
             "hybrid-goodput-k8": {
                 "method": "hybrid", "draft_policy": "goodput", "num_speculative_tokens": 8,
             },
