@@ -42,12 +42,15 @@ class DraftModelConfig(Strict):
 class TrainedDrafterConfig(Strict):
     """A trained decoder's drafter (``medusa``, ``hydra``, ``eagle``, ``kangaroo``): a
     directory that ``specserve train KIND`` writes (None takes the drafter shipped for the
-    model, if one is), and the precision its own projections run at: int8 weights (per
-    channel; a quarter of float32's bytes per draft) or unquantized in the model's dtype
-    (none: float32 on the CPU). Drafts only set the speed: output is exact either way."""
+    model, if one is), and the precision its own projections (and its rows of the LM head)
+    run at: int8 weights (per channel; a quarter of float32's bytes per draft), int4 (per
+    group of 32 inputs, the target's own kernels: about half int8's bytes, and on a CPU a
+    draft reads its weights from memory as the target's step does) or unquantized in the
+    model's dtype (none: float32 on the CPU). Drafts only set the speed: output is exact
+    either way."""
 
     drafter: str | None = None
-    quantization: Literal["none", "int8"] = "int8"
+    quantization: Literal["none", "int8", "int4"] = "int8"
 
 
 class EagleConfig(TrainedDrafterConfig):
@@ -288,6 +291,9 @@ register(
         network="engine.decoders.hydra:HydraHeads",
         bench={
             "hydra": {"method": "hydra"}, **_k("hydra", 1, 2, 8),
+            "hydra-k1-int4": {
+                "method": "hydra", "num_speculative_tokens": 1, "hydra": {"quantization": "int4"}
+            },
             **_goodput("hydra", untrimmed=True),
         },  # fmt: skip
     )
@@ -322,6 +328,10 @@ register(
         bench={
             "eagle3": {"method": "eagle3"},
             **_k("eagle3", 1, 2, 3),
+            "eagle3-k1-int4": {
+                "method": "eagle3", "num_speculative_tokens": 1,
+                "eagle3": {"quantization": "int4"},
+            },
             "eagle3-tree2": {"method": "eagle3", "eagle3": {"tree_top_k": 2}},
             **_goodput("eagle3", untrimmed=True),
         },

@@ -195,3 +195,25 @@ def test_train_learns_and_writes_a_drafter_the_decoder_loads(tiny_model_dir, tmp
     expected = llm.generate(PROMPTS[:2], GREEDY)
     got = eagle3_llm(tiny_model_dir, options.output).generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+def test_int4_projections_run_in_the_stack_and_leave_greedy_output_unchanged(
+    tiny_model_dir, drafter_dir
+):
+    # int4: the target's own 4-bit kernels for the drafter's projections and its LM-head rows,
+    # about half int8's bytes a draft; drafts may differ a little, output may not.
+    from engine.models.quantized_linear import QuantizedLinear
+
+    llm = eagle3_llm(tiny_model_dir, drafter_dir, quantization="int4")
+    drafter = llm.engine.speculator.decoders["eagle3"].drafter
+    assert drafter.stack is not None
+    int8 = eagle3_llm(tiny_model_dir, drafter_dir).engine.speculator.decoders["eagle3"].drafter
+    for name in ("qkv", "o", "gate_up", "down"):
+        four, eight = getattr(drafter.layer, name), getattr(int8.layer, name)
+        assert isinstance(four, QuantizedLinear) and isinstance(eight, QuantizedLinear)
+        assert four.nbytes < 0.75 * eight.nbytes
+    check_greedy_identity_batched_preempted_aborted(
+        tiny_model_dir,
+        lambda **overrides: eagle3_llm(tiny_model_dir, drafter_dir, "int4", **overrides),
+        require_accepted=False,
+    )

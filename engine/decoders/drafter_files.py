@@ -112,23 +112,22 @@ def drafter_projection(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, model
 ) -> nn.Module:
     """A trained drafter's own projection as the engine runs it, on the model's device and in
-    its dtype: int8 in the kernels' layout (``quantization: int8``; drafts only set the speed)
-    or unquantized (``none``)."""
+    its dtype: int8 or int4 in the kernels' layout (``quantization``; drafts only set the
+    speed) or unquantized (``none``)."""
     device, dtype = model.final_norm.device, model.dtype
     weight = weight.detach().to(device=device, dtype=dtype)
     bias = None if bias is None else bias.detach().to(device=device, dtype=dtype)
-    if quantization == "int8":
-
-        return quantized_dense(weight, bias, "int8", model)
-
+    if quantization in ("int8", "int4"):
+        return quantized_dense(weight, bias, quantization, model)
     return Linear(weight, bias, pack=True)
 
 
-def build_readout(model, draft_vocab: torch.Tensor) -> nn.Module:
-    """The target's LM head rows of the draft vocabulary, int8."""
+def build_readout(model, draft_vocab: torch.Tensor, quantization: str = "int8") -> nn.Module:
+    """The target's LM head rows of the draft vocabulary, int8 (int4 where the drafter runs
+    at int4)."""
 
     rows = dense_weight(model.lm_head)[draft_vocab.to(model.final_norm.device)]
     if rows.device.type != "cpu":
         # On a GPU, bfloat16 rows run on the tensor cores; int8 would be dequantized per call.
         return quantized_dense(rows, None, "bfloat16", model)
-    return quantized_dense(rows, None, "int8", model)
+    return quantized_dense(rows, None, "int4" if quantization == "int4" else "int8", model)

@@ -152,7 +152,8 @@ class EagleDrafter(ModelDrafter):
         # The layer in one C++ call where the target's stack runs (int8 projections in the
         # kernels' layout): driving it from Python cost about as much as its products.
         self.stack = DecoderStack([self.layer]) if DecoderStack.usable([self.layer]) else None
-        self.readout = build_readout(self.model, self.draft_vocab)  # rows in the same order
+        # Rows in the same order as the draft vocabulary.
+        self.readout = build_readout(self.model, self.draft_vocab, quantization)
 
     def attach(self, network: nn.Module, draft_vocab: torch.Tensor, target: TargetContext):
         """What every EAGLE drafter keeps of the target: its device, the draft vocabulary, a

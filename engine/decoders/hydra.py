@@ -131,5 +131,5 @@ class HydraDecoder(TrainedHeadsDecoder, Decoder):
 
 def build_hydra_decoder(config: DecoderConfig, target: TargetContext) -> HydraDecoder:
     drafter = load_drafter(config.hydra.drafter, "hydra", HydraHeads, target.model)
-    readout = build_readout(target.model, drafter.draft_vocab)
+    readout = build_readout(target.model, drafter.draft_vocab, config.hydra.quantization)
     return HydraDecoder(drafter, target, readout, config.hydra.quantization)

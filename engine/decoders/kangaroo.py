@@ -159,7 +159,7 @@ class KangarooRunner(ModelRunner):
         # Ascending ids, the order ModelDrafter keeps: compact scores index the same columns.
         draft_vocab = draft_vocab.sort().values.to(device)
         self.head = DraftVocabularyHead(
-            build_readout(model, draft_vocab), draft_vocab, arch.vocab_size
+            build_readout(model, draft_vocab, quantization), draft_vocab, arch.vocab_size
         )
 
     @torch.inference_mode()

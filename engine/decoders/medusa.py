@@ -67,5 +67,5 @@ class MedusaDecoder(TrainedHeadsDecoder, Decoder):
 
 def build_medusa_decoder(config: DecoderConfig, target: TargetContext) -> MedusaDecoder:
     drafter = load_drafter(config.medusa.drafter, "medusa", MedusaHeads, target.model)
-    readout = build_readout(target.model, drafter.draft_vocab)
+    readout = build_readout(target.model, drafter.draft_vocab, config.medusa.quantization)
     return MedusaDecoder(drafter, target, readout, config.medusa.quantization)
