@@ -71,6 +71,7 @@ class EngineStats:
         "spec_num_draft_tokens",
         "spec_num_accepted_tokens",
         "spec_accepted_per_position",
+        "spec_num_trimmed_drafts",
         "spec_by_decoder",
         "spec_draft_lengths",
     )
@@ -89,6 +90,8 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()  # accepted drafts at position 0, 1, ...
+    # Drafts made but not verified: their chance was under the draft policy's floor.
+    spec_num_trimmed_drafts: int = 0
     # The same four counters per drafting decoder: (name, (drafts, draft tokens, accepted,
     # accepted per position)), one entry per loaded decoder.
     spec_by_decoder: tuple[tuple[str, tuple], ...] = ()

@@ -423,6 +423,7 @@ class Speculator:
             "spec_num_draft_tokens": total.num_draft_tokens,
             "spec_num_accepted_tokens": total.num_accepted_tokens,
             "spec_accepted_per_position": tuple(total.accepted_per_position),
+            "spec_num_trimmed_drafts": self.num_trimmed_drafts,
         }
 
     def hand_out_features(self, hidden, scheduled, proposals, paths) -> None:

@@ -102,6 +102,14 @@ class EngineStatsCollector(Collector):
                 per_pos.add_metric([*values, str(position)], count)
         yield from families
         yield per_pos
+        trimmed = CounterMetricFamily(
+            PREFIX + "spec_decode_num_trimmed_draft_tokens",
+            "Draft tokens drafted but not verified: their chance of standing was under what "
+            "a verified row costs (the draft policy's floor)",
+            labels=["model_name"],
+        )
+        trimmed.add_metric([self.model_name], getattr(s, "spec_num_trimmed_drafts", 0))
+        yield trimmed
         yield from self._draft_policy(s)
 
     def _draft_policy(self, s):

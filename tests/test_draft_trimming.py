@@ -128,6 +128,15 @@ def test_trimmed_drafts_leave_greedy_output_unchanged(tiny_model_dir, cut):
     # verified ones are only those that kept drafts.
     assert len(runs) >= stats.num_drafts and sum(n for n, _ in runs) > stats.num_draft_tokens
     assert speculator._drafted == {}  # nothing held past the steps
+    # Counted for Prometheus, with the engine's other speculation counters.
+    from engine.core_protocol import engine_stats
+    from server.metrics import ServerMetrics
+
+    snapshot = engine_stats(llm.engine)
+    assert snapshot.spec_num_trimmed_drafts == speculator.num_trimmed_drafts
+    text = ServerMetrics("m", lambda: snapshot).render().decode()
+    line = 'specserve:spec_decode_num_trimmed_draft_tokens_total{model_name="m"} '
+    assert line + f"{float(speculator.num_trimmed_drafts)}" in text, text
     if cut == "some":
         assert stats.num_drafts > 0
         assert sum(policy.decoders["draft"].judged) > 0  # verified drafts calibrate chances
