@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.build import load_kernels
-from engine.token_tree import ancestry, depths
+from engine.token_tree import ancestry, depths, is_chain
 
 # Query runs up to this long share one padded group; longer ones get their own.
 SHORT_QUERY_LIMIT = 32
@@ -123,17 +123,12 @@ def _all_short_chains(slices: Sequence[SequenceSlice]) -> bool:
     """Every slice a short chain that reads its keys back from the cache: the one padded group
     ``_cached_chains_group`` plans (decode and chain verification steps)."""
     return all(
-        (s.tree_parents is None or _is_chain(s.tree_parents))
+        (s.tree_parents is None or is_chain(s.tree_parents))
         and s.num_new <= SHORT_QUERY_LIMIT
         and (s.num_cached > 0 or s.num_new == 1)
         for s in slices
     )
 
-
-def _is_chain(parents: Sequence[int]) -> bool:
-    """A tree whose every token follows the one before (a tree decoder's one-draft or
-    single-path proposal): its plan is a chain's (tests/test_attention.py checks both agree)."""
-    return all(p == i - 1 for i, p in enumerate(parents))
 
 
 def _chain_plan_in_cpp(

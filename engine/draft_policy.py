@@ -84,6 +84,11 @@ CHANCE_BINS = 10  # a drafter's top-1 probabilities are calibrated per tenth
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per tenth, accepted at the probability itself
 
 
+def _tenth(confidence: float) -> int:
+    """The calibration bin of a drafter's top-1 probability."""
+    return min(CHANCE_BINS - 1, max(0, int(confidence * CHANCE_BINS)))
+
+
 def _ema(old: float | None, new: float, weight: float = SMOOTHING) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
@@ -225,13 +230,13 @@ class DecoderRecord:
         self.judged = [n * DECAY for n in self.judged]
         self.right = [n * DECAY for n in self.right]
         for j, confidence in enumerate(judged):
-            b = min(CHANCE_BINS - 1, max(0, int(confidence * CHANCE_BINS)))
+            b = _tenth(confidence)
             self.judged[b] += 1
             self.right[b] += j < num_accepted
 
     def calibrated(self, confidence: float) -> float:
         """How often a draft given ``confidence`` by its drafter was accepted."""
-        b = min(CHANCE_BINS - 1, max(0, int(confidence * CHANCE_BINS)))
+        b = _tenth(confidence)
         return (self.right[b] + CALIBRATION_PRIOR * confidence) / (
             self.judged[b] + CALIBRATION_PRIOR
         )

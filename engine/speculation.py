@@ -31,6 +31,7 @@ from engine.rejection_sampler import DraftRun, RejectionSampler
 from engine.sampling import SampledToken
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.token_tree import is_chain
 
 # Tokens a drafter may be behind beyond the drafts it is asked for (the accepted ones and the
 # bonus token of the last step) while its drafting time still counts as a step's.
@@ -490,7 +491,7 @@ def _is_greedy_chain(seq: Sequence, proposal: Proposal) -> bool:
     """A greedy request's chain (or one-path tree) whose drafts carry their drafter's top-1
     probabilities (lookup's read 1: it has none)."""
     drafts = len(proposal.token_ids)
-    if proposal.parents is not None and any(p != i - 1 for i, p in enumerate(proposal.parents)):
+    if proposal.parents is not None and not is_chain(proposal.parents):
         return False
     return (
         seq.sampling_params.greedy

@@ -47,3 +47,10 @@ def ancestry(parents: Sequence[int]) -> torch.Tensor:
         if p >= 0:
             seen[i] |= seen[p]
     return seen
+
+
+def is_chain(parents: Sequence[int]) -> bool:
+    """A tree whose every token follows the one before (a tree decoder's one-draft or
+    single-path proposal): attention plans it as a chain (tests/test_attention.py checks
+    both agree), and the chance floor cuts it as one."""
+    return all(p == i - 1 for i, p in enumerate(parents))
