@@ -130,7 +130,6 @@ def _all_short_chains(slices: Sequence[SequenceSlice]) -> bool:
     )
 
 
-
 def _chain_plan_in_cpp(
     slices: Sequence[SequenceSlice],
     block_size: int,
