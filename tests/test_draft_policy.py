@@ -569,3 +569,47 @@ def test_a_decoder_drafting_nothing_is_retried_more_often():
     assert explorations(0.9) == []
     tried = explorations(0.4)
     assert tried == list(range(3, 64, 16 // PLAIN_EXPLORE_FACTOR))
+
+
+def test_a_drafter_that_keeps_losing_is_retried_at_the_usual_pace_again():
+    from engine.draft_policy import PLAIN_EXPLORE_FACTOR, PLAIN_RETRIES
+
+    # Drafting one loses (each draft right 40% of the time, a second row costs 41% of a
+    # step), and the tries do not change that (nothing is observed between choices): the
+    # first PLAIN_RETRIES tries after drafting stopped come every 16 / PLAIN_EXPLORE_FACTOR
+    # choices, the later ones every 16 (each is a step that loses).
+    policy = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.4, cap=1)
+    policy.explore_every = 16
+    fast = 16 // PLAIN_EXPLORE_FACTOR
+    choices = PLAIN_RETRIES * fast + 8 * 16
+    tried = []
+    for step in range(choices):
+        assert policy.choose("d", num_seqs=1, cap=1) == 0
+        if policy.explore:
+            tried.append(step)
+    gaps = [b - a for a, b in zip(tried, tried[1:], strict=False)]
+    assert len(tried) == PLAIN_RETRIES + 8
+    assert gaps[: PLAIN_RETRIES - 1] == [fast] * (PLAIN_RETRIES - 1)
+    assert gaps[PLAIN_RETRIES:] == [16] * (len(gaps) - PLAIN_RETRIES)
+
+
+def test_drafting_again_resets_the_fast_retries():
+    # A stretch where drafting wins ends the plain streak: the next time drafting stops, its
+    # first tries come at the fast pace again.
+    from engine.draft_policy import PLAIN_EXPLORE_FACTOR, PLAIN_RETRIES
+
+    fast = 16 // PLAIN_EXPLORE_FACTOR
+    policy = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.4, cap=1)
+    policy.explore_every = 16
+    for _ in range(PLAIN_RETRIES * fast + 64):
+        policy.choose("d", num_seqs=1, cap=1)
+    record = policy.decoders["d"]
+    assert record.plain_streak > PLAIN_RETRIES * fast
+    for _ in range(60):  # drafts right every time now: drafting wins
+        policy.observe_run("d", 1, 1)
+    assert policy.choose("d", num_seqs=1, cap=1) == 1
+    assert record.plain_streak == 0
+    for _ in range(200):  # and wrong every time again
+        policy.observe_run("d", 1, 0)
+    assert policy.choose("d", num_seqs=1, cap=1) == 0
+    assert policy._explore_interval(record.plain_streak) == fast
