@@ -3,6 +3,8 @@ chains (one match) and token trees (several matches merged)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -36,6 +38,32 @@ def test_find_continuations_lists_every_match_in_order_of_preference():
     # "2 3" at 5 then 1, then "3" at 6 and 2 (the same places, one token shorter).
     assert find_continuations(tokens, 1, 2, 2, 8) == [[7, 8], [9, 1], [7, 8], [9, 1]]
     assert find_continuations(tokens, 1, 2, 2, 1) == [[7, 8]]
+
+
+def _continuations_by_scanning(tokens, min_n, max_n, k, matches):
+    """The definition: compare the suffix n-gram at every earlier position, latest first."""
+    length, found = len(tokens), []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[length - n :]:
+                found.append(tokens[start + n : start + n + k])
+                if len(found) == matches:
+                    return found
+    return found
+
+
+def test_find_continuations_finds_what_scanning_every_position_finds():
+    # Small vocabularies make many matches, of every length, at every place (the first
+    # position and the one just before the suffix included).
+    draws = random.Random(0)
+    for case in range(400):
+        vocab = draws.choice([1, 2, 3, 5, 20])
+        tokens = [draws.randrange(vocab) for _ in range(draws.randrange(0, 60))]
+        min_n = draws.randint(1, 3)
+        max_n = draws.randint(min_n, 5)
+        k, matches = draws.randint(1, 6), draws.randint(1, 5)
+        expected = _continuations_by_scanning(tokens, min_n, max_n, k, matches)
+        assert find_continuations(tokens, min_n, max_n, k, matches) == expected, case
 
 
 def test_merge_into_tree_keeps_the_most_travelled_nodes_parents_first():

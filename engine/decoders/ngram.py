@@ -36,14 +36,26 @@ def find_continuations(
     length, found = len(tokens), []
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         pattern = tokens[length - n :]
-        for start in range(length - n - 1, -1, -1):
+        for start in reversed(_positions_of(tokens, pattern[0], length - n)):
             if tokens[start : start + n] == pattern:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    found.append(follow)
-                    if len(found) == matches:
-                        return found
+                found.append(tokens[start + n : start + n + k])  # never empty: start + n < length
+                if len(found) == matches:
+                    return found
     return found
+
+
+def _positions_of(tokens: list[int], token: int, end: int) -> list[int]:
+    """Where ``token`` occurs in ``tokens[:end]``, ascending. ``list.index`` scans in C, so
+    only the occurrences cost Python steps: comparing an n-gram at every position of the
+    context cost 0.7 ms a step at 2,000 tokens and 2.7 ms at 8,000 (the grounded prompts that
+    lookup is for)."""
+    found, i = [], -1
+    try:
+        while True:
+            i = tokens.index(token, i + 1, end)
+            found.append(i)
+    except ValueError:
+        return found
 
 
 def merge_into_tree(continuations: list[list[int]], budget: int) -> tuple[list[int], list[int]]:
