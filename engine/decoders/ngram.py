@@ -34,7 +34,7 @@ def find_continuations(
     (up to ``k`` tokens each), longest n first and the latest match first within an n: recent
     context predicts the continuation best."""
     length, found = len(tokens), []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
+    for n in range(min(max_n, length - 1), max(min_n, 1) - 1, -1):  # an empty n-gram says nothing
         pattern = tokens[length - n :]
         for start in reversed(_positions_of(tokens, pattern[0], length - n)):
             if tokens[start : start + n] == pattern:
