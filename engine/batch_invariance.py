@@ -32,6 +32,8 @@ import torch
 from torch import nn
 
 from engine.models.autotune import load_measurements, measurement_key, save_measurements
+from engine.models.int8_activations import int8_isas
+from engine.models.int8_activations import unsupported_reason as int8_unsupported
 from engine.models.linear import Linear, dense_weight
 from engine.models.products import candidates, product_by_name
 from engine.models.quantized_linear import QuantizedLinear
@@ -127,9 +129,25 @@ def _invariant_plan(layer: QuantizedLinear, max_rows: int) -> str | None:
     return cache[key]
 
 
-def make_batch_invariant(model: nn.Module, max_rows: int) -> dict[str, str]:
+def _int8_plan(layer: QuantizedLinear, max_rows: int) -> str | None:
+    """The 8-bit-activation product for ``layer`` if its weight takes one and it is
+    row-invariant here (it is by construction; checked like every other choice)."""
+    isas = int8_isas()
+    if not isas or int8_unsupported(layer.stored) is not None:
+        return None
+    name = f"kernel-int8-{isas[0]}"
+    product = product_by_name(name)
+    if not rows_agree(lambda x: product(x, layer.stored), layer.in_features, max_rows):
+        return None
+    return name
+
+
+def make_batch_invariant(model: nn.Module, max_rows: int, int8: bool = False) -> dict[str, str]:
     """Give every product of ``model`` a batch-invariant form (see the module docstring), for
-    steps of up to ``max_rows`` rows. Returns what each kind of weight runs, for the log."""
+    steps of up to ``max_rows`` rows. Returns what each kind of weight runs, for the log.
+
+    ``int8``: weights that take 8-bit activations (engine/models/int8_activations.py) run
+    those products; the others the exact invariant ones."""
     chosen: dict[str, str] = {}
     plans: dict[str, str | None] = {}  # layers of one shape share the check
     for parent in list(model.modules()):
@@ -137,7 +155,9 @@ def make_batch_invariant(model: nn.Module, max_rows: int) -> dict[str, str]:
             if isinstance(child, QuantizedLinear):
                 key = child.tune_key
                 if key not in plans:
-                    plans[key] = _invariant_plan(child, max_rows)
+                    plans[key] = (int8 and _int8_plan(child, max_rows)) or _invariant_plan(
+                        child, max_rows
+                    )
                 if plans[key] is not None:
                     child.set_plan([(1 << 62, plans[key])])
                     chosen[key] = plans[key]

@@ -188,6 +188,14 @@ class EngineConfig(_Strict):
     # where no two logits lie within rounding of each other. Float32 on the CPU; costs speed
     # where the fastest products are not invariant (engine/batch_invariance.py).
     batch_invariant: bool = False
+    # llama.cpp's CPU numerics, an opt-in: each row of activations rounded to 8 bits in blocks
+    # of 32 before a stored weight's product, which then runs on integer dot products (AVX-512
+    # VNNI; a slow portable path elsewhere). A slightly different model from the exact float32
+    # one, and much faster where the exact products are bound by dequantizing; verification
+    # rows cost little more than a decode row. Turns batch_invariant on: 8-bit rounding would
+    # turn a last-bit difference between a decode and a verification pass into another code
+    # (engine/models/int8_activations.py).
+    int8_activations: bool = False
     # Threads of the products. None (auto): every core while the cores are free, one fewer per
     # core other processes keep busy (engine/thread_governor.py). A number fixes it.
     num_threads: int | None = Field(None, ge=1)

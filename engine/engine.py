@@ -77,7 +77,7 @@ class Engine:
         self.constraints: ConstraintFactory | None = None
         self.threads = threads  # None: torch's thread count is left as it is
         self.model = model
-        if config.batch_invariant:
+        if config.batch_invariant or config.int8_activations:
             make_batch_invariant_or_refuse(model, config)
         arch = model.arch
         self.max_model_len = min(
@@ -649,12 +649,16 @@ def _as_id_set(value) -> set[int]:
 
 
 def make_batch_invariant_or_refuse(model: LlamaModel, config: EngineConfig) -> None:
-    """``config.batch_invariant``: every row computed as it would be alone, or a clear
-    refusal at start where this configuration cannot promise it."""
+    """``config.batch_invariant`` (or ``int8_activations``, which needs it): every row computed
+    as it would be alone, or a clear refusal at start where this configuration cannot
+    promise it."""
     reason = unsupported_reason(config.device, config.dtype, load_kernels())
     if reason is not None:
-        raise ValueError(reason)
-    make_batch_invariant(model, config.scheduler.max_num_batched_tokens)
+        switch = "int8_activations" if config.int8_activations else "batch_invariant"
+        raise ValueError(reason.replace("batch_invariant", switch, 1))
+    make_batch_invariant(
+        model, config.scheduler.max_num_batched_tokens, int8=config.int8_activations
+    )
 
 
 def create_engine(config: EngineConfig, companion_pids: tuple[int, ...] = ()):

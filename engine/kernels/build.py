@@ -38,6 +38,7 @@ SOURCES = [
     for name in (
         "dequant_matmul.cpp",
         "amx_matmul.cpp",
+        "int8_matmul.cpp",
         "layer_ops.cpp",
         "paged_attention.cpp",
         "decoder_stack.cpp",

@@ -62,6 +62,7 @@ using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&
 // The operators of the Python fused path, looked up once through the dispatcher.
 struct Ops {
   c10::TypedOperatorHandle<ProductFn> product;
+  c10::TypedOperatorHandle<ProductFn> int8_product;  // plans naming "int8-<isa>"
   c10::TypedOperatorHandle<RmsNormFn> rms_norm;
   c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm;
   c10::TypedOperatorHandle<SiluMulFn> silu_mul;
@@ -74,6 +75,7 @@ struct Ops {
       auto find = [&](const char* name) { return d.findSchemaOrThrow(name, ""); };
       return Ops{
           find("specserve::dequant_matmul").typed<ProductFn>(),
+          find("specserve::int8_matmul").typed<ProductFn>(),
           find("specserve::rms_norm").typed<RmsNormFn>(),
           find("specserve::add_rms_norm").typed<AddRmsNormFn>(),
           find("specserve::silu_mul").typed<SiluMulFn>(),
@@ -194,7 +196,12 @@ class DecoderStack : public torch::CustomClassHolder {
     std::vector<at::Tensor> outs;
     outs.reserve(p.parts.size());
     for (const Part& part : p.parts) {
-      at::Tensor y = ops.product.call(x, part.codes, part.scales, part.mins, part.isa_for(rows));
+      // A plan naming "int8-<isa>" runs the 8-bit-activation product (int8_matmul.cpp); the
+      // part then holds the weight in that product's packed layout.
+      const std::string& isa = part.isa_for(rows);
+      at::Tensor y = isa.rfind("int8-", 0) == 0
+          ? ops.int8_product.call(x, part.codes, part.scales, part.mins, c10::string_view(isa).substr(5))
+          : ops.product.call(x, part.codes, part.scales, part.mins, isa);
       if (part.bias.defined()) y.add_(part.bias);
       outs.push_back(std::move(y));
     }

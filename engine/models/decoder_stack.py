@@ -21,6 +21,7 @@ from torch import nn
 
 from engine.attention import SHORT_QUERY_LIMIT, AttentionMetadata
 from engine.kernels.build import load_kernels
+from engine.models.int8_activations import packed
 from engine.models.quantized_linear import QuantizedLinear, StackedLinear, plans_version
 
 # Projection slots as decoder_stack.cpp numbers them.
@@ -44,6 +45,17 @@ def _kernel_plan(part: QuantizedLinear) -> tuple[list[int], list[str]]:
         name.removeprefix("kernel-") if name.startswith("kernel-") else "" for _, name in part.plan
     ]
     return limits, isas
+
+
+def _plan_weights(part: QuantizedLinear, isas: list[str]):
+    """The tensors the part's plan multiplies: the stored weight, or its packed layout for a
+    plan of 8-bit-activation products (which is never mixed with exact ones)."""
+    if any(isa.startswith("int8-") for isa in isas):
+        if not all(isa.startswith("int8-") for isa in isas):
+            raise ValueError(f"a plan mixes 8-bit-activation and exact products: {part.plan}")
+        return packed(part.stored)
+    w = part.stored
+    return w.codes, w.scales, w.mins
 
 
 class DecoderStack:
@@ -91,8 +103,8 @@ class DecoderStack:
             for slot, name in enumerate(_SLOTS):
                 for part in _parts(getattr(layer, name)):
                     limits, isas = _kernel_plan(part)
-                    w = part.stored
-                    stack.add_part(index, slot, w.codes, w.scales, w.mins, part.bias, limits, isas)
+                    codes, scales, mins = _plan_weights(part, isas)
+                    stack.add_part(index, slot, codes, scales, mins, part.bias, limits, isas)
         return stack
 
     def _flat_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels.build import available_isas
+from engine.models.int8_activations import int8_product
 from engine.models.weight_formats import StoredWeight, dequantize_torch
 
 Product = Callable[[torch.Tensor, StoredWeight], torch.Tensor]
@@ -100,6 +101,8 @@ def product_by_name(name: str) -> Product:
         return _torch
     if name == "dequant-blas":
         return _dequant_blas
+    if name.startswith("kernel-int8-"):  # 8-bit activations: chosen by config, never autotuned
+        return int8_product(name.removeprefix("kernel-int8-"))
     if name.startswith("kernel-"):
         return _kernel(name.removeprefix("kernel-"))
     raise ValueError(f"unknown product {name!r}")
