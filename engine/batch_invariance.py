@@ -177,4 +177,5 @@ def make_batch_invariant(model: nn.Module, max_rows: int, int8: bool = False) ->
         model.stack = None  # the C++ stack would run the wrapped products' own plans
     log.info("batch-invariant products: %s", chosen)
     model.batch_invariant = True
+    model.int8_activations = int8
     return chosen

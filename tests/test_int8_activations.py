@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from engine import LLM, SamplingParams
 from engine.batch_invariance import make_batch_invariant, rows_agree
 from engine.kernels.build import load_kernels
+from engine.models.draft_copies import draft_copy, quantized_dense
 from engine.models.int8_activations import int8_isas, int8_product, pack, reference
 from engine.models.int8_activations import unsupported_reason as int8_unsupported
 from engine.models.loader import load_model
@@ -177,3 +178,41 @@ def test_real_model_int8_agrees_with_float32_on_most_next_tokens(smollm2_path):
 def test_int8_activations_in_bfloat16_is_refused_by_name(tiny_gguf_dir):
     with pytest.raises(ValueError, match="int8_activations needs dtype float32"):
         LLM(model=str(tiny_gguf_dir), int8_activations=True, dtype="bfloat16")
+
+
+def test_drafters_of_an_int8_target_take_int8_products_too(tiny_gguf_dir):
+    """A drafter's own projections (and a self-draft copy) follow the target onto 8-bit
+    activations, with 8-bit codes in the blocks of 32 those products take: drafts then cost
+    what the target's rows cost (drafts never change the output)."""
+    model, _ = load_model(tiny_gguf_dir, torch.float32, "cpu", None)
+    make_batch_invariant(model, 128, int8=True)
+    name = f"kernel-int8-{int8_isas()[0]}"
+    head = quantized_dense(torch.randn(32, 64), None, "int8", model)
+    assert head.stored.scales.shape == (32, 2) and head.plan == [(1 << 62, name)]
+    copy = draft_copy(model, "int4", num_layers=1)
+    plans = {m.plan[0][1] for m in copy.modules() if isinstance(m, QuantizedLinear)}
+    assert plans == {name}
+    # An exact target keeps its drafters exact (blocks of 16, autotuned kernels).
+    exact, _ = load_model(tiny_gguf_dir, torch.float32, "cpu", None)
+    plain = quantized_dense(torch.randn(32, 64), None, "int8", exact)
+    assert plain.stored.scales.shape == (32, 4) and not plain.plan[0][1].startswith("kernel-int8")
+
+
+@pytest.mark.parametrize(
+    "decoder",
+    [
+        {"method": "eagle3", "num_speculative_tokens": 1, "draft_policy": "fixed"},
+        {"method": "hybrid", "draft_policy": "fixed", "hybrid": {"drafter_max_tokens": 1}},
+    ],
+    ids=["eagle3-k1", "hybrid-k1"],
+)
+def test_real_model_trained_drafters_stay_greedy_identical_with_int8(smollm2_path, decoder):
+    """SmolLM2 with 8-bit activations: the shipped EAGLE-3 (and the hybrid over it) give
+    exactly the tokens plain decoding under the same numerics gives."""
+    prompts = ["What is the capital of France?", "Write a short poem about the sea."]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(smollm2_path), int8_activations=True).generate(prompts, params)
+    speculative = LLM(model=str(smollm2_path), int8_activations=True, decoder=decoder)
+    got = speculative.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert speculative.engine.speculator.stats.num_accepted_tokens > 0

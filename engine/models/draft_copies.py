@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.autotune import autotune
-from engine.models.draft_quantization import STORED_QUANTIZERS
+from engine.models.draft_quantization import STORED_QUANTIZERS, quantize_int8
+from engine.models.int8_activations import int8_isas
+from engine.models.int8_activations import unsupported_reason as int8_unsupported
 from engine.models.linear import ONEDNN_BATCH_HINT, Linear, dense_weight
 from engine.models.llama import DecoderLayer, LlamaModel
 from engine.models.quantized_linear import QuantizedLinear
@@ -124,16 +126,35 @@ class BFloat16Linear(nn.Module):
 QUANTIZERS = {"int8": Int8Linear, "int4": Int4Linear, "bfloat16": BFloat16Linear}
 
 
-def _quantized(linear: Linear, quantization: str, stored: bool) -> nn.Module:
+def _quantized(linear: Linear, quantization: str, stored: bool, int8: bool = False) -> nn.Module:
     if quantization == "none":
         return linear
-    return _quantize_weight(dense_weight(linear), linear.bias, quantization, stored)
+    return _quantize_weight(dense_weight(linear), linear.bias, quantization, stored, int8)
 
 
-def _quantize_weight(weight, bias, quantization: str, stored: bool) -> nn.Module:
+def _quantize_weight(
+    weight, bias, quantization: str, stored: bool, int8: bool = False
+) -> nn.Module:
+    """``int8``: the target takes 8-bit activations, so 8-bit codes come in its products'
+    blocks of 32 where the shape allows."""
+    if stored and quantization == "int8" and int8 and weight.shape[1] % 32 == 0:
+        return QuantizedLinear(quantize_int8(weight, block=32), bias)
     if stored and not (quantization == "int8" and weight.shape[1] % 16):
         return QuantizedLinear(STORED_QUANTIZERS[quantization](weight), bias)
     return QUANTIZERS[quantization](weight, bias)
+
+
+def use_int8_products(module: nn.Module) -> int:
+    """Every stored-weight product of ``module`` that can take 8-bit activations runs them: a
+    drafter of a target that does (its drafts then cost what the target's rows cost; drafts
+    never change the output). Returns how many products changed."""
+    isas = int8_isas()
+    changed = 0
+    for layer in module.modules():
+        if isas and isinstance(layer, QuantizedLinear) and int8_unsupported(layer.stored) is None:
+            layer.set_plan([(1 << 62, f"kernel-int8-{isas[0]}")])
+            changed += 1
+    return changed
 
 
 def runs_kernels(target: LlamaModel) -> bool:
@@ -147,8 +168,11 @@ def quantized_dense(
     """A linear of a dense ``weight`` at ``quantization`` precision (int8, int4, bfloat16), in
     the kernels' stored layout where ``target`` runs them (autotuned), for a drafter's own
     projections."""
-    module = _quantize_weight(weight, bias, quantization, runs_kernels(target))
+    int8 = target.int8_activations
+    module = _quantize_weight(weight, bias, quantization, runs_kernels(target), int8)
     autotune(module)
+    if int8:
+        use_int8_products(module)
     return module
 
 
@@ -163,15 +187,16 @@ def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int |
     if not 1 <= keep <= target.arch.num_layers:
         raise ValueError(f"num_layers must be in [1, {target.arch.num_layers}], got {num_layers}")
     stored = runs_kernels(target)  # then stored layouts, for the same kernels
+    int8 = target.int8_activations
     layers = [
         DecoderLayer(
             target.arch,
             layer.input_norm,
-            _quantized(layer.qkv, quantization, stored),
-            _quantized(layer.o, quantization, stored),
+            _quantized(layer.qkv, quantization, stored, int8),
+            _quantized(layer.o, quantization, stored, int8),
             layer.post_attention_norm,
-            _quantized(layer.gate_up, quantization, stored),
-            _quantized(layer.down, quantization, stored),
+            _quantized(layer.gate_up, quantization, stored, int8),
+            _quantized(layer.down, quantization, stored, int8),
         )
         for layer in list(target.layers)[:keep]
     ]
@@ -181,7 +206,9 @@ def draft_copy(target: LlamaModel, quantization: str = "int8", num_layers: int |
         target.embed_tokens,
         layers,
         target.final_norm,
-        _quantized(target.lm_head, quantization, stored),
+        _quantized(target.lm_head, quantization, stored, int8),
     )
     autotune(copy)  # plans for its stored weights (cached per shape, shared with the target's)
+    if int8:
+        use_int8_products(copy)
     return copy

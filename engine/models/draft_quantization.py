@@ -19,11 +19,13 @@ import torch
 from engine.models.weight_formats import StoredWeight
 
 
-def quantize_int8(weight: torch.Tensor) -> StoredWeight:
+def quantize_int8(weight: torch.Tensor, block: int = 16) -> StoredWeight:
+    """Symmetric 8-bit codes, one scale per ``block`` inputs (32 for a drafter of a target on
+    8-bit activations, whose products take blocks of 32)."""
     n, k = weight.shape
-    if k % 16:
-        raise ValueError(f"int8 needs in_features divisible by 16, got {k}")
-    blocks = weight.float().reshape(n, k // 16, 16)
+    if k % block:
+        raise ValueError(f"int8 needs in_features divisible by {block}, got {k}")
+    blocks = weight.float().reshape(n, k // block, block)
     # Clamped before the float16 rounding, so codes are computed with exactly the stored scale
     # (a scale in float16's subnormal range would otherwise shrink the block).
     tiny = torch.finfo(torch.float16).tiny

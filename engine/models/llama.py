@@ -78,7 +78,6 @@ class ModelArchitecture:
             sliding_window=sliding_window,
         )
 
-
     @classmethod
     def of_layer(cls, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  intermediate_size: int, rms_norm_eps: float) -> ModelArchitecture:  # fmt: skip
@@ -253,6 +252,9 @@ class LlamaModel(nn.Module):
         # Set by engine.batch_invariance.make_batch_invariant: the runner then plans attention
         # that computes each row on its own.
         self.batch_invariant = False
+        # Set with it when its products take 8-bit activations (engine/models/int8_activations.py):
+        # drafters built for this model then take them too.
+        self.int8_activations = False
 
     @property
     def dtype(self) -> torch.dtype:
