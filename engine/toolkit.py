@@ -70,6 +70,11 @@ _GROUPS: dict[str, dict[str, str]] = {
         "ONEDNN_BATCH_HINT": "engine.models.linear",
         "onednn_available": "engine.models.linear",
         "ConstraintFactory": "engine.constraints.state",
+        # The products by name, and the 8-bit-activation ones the int8 bench compares.
+        "product_by_name": "engine.models.products",
+        "int8_isas": "engine.models.int8_activations",
+        "int8_packed": "engine.models.int8_activations",
+        "int8_unsupported": "engine.models.int8_activations",
         # The goodput policy, driven step by step in a simulated machine.
         "GoodputPolicy": "engine.draft_policy",
         "StepTimings": "engine.draft_policy",
@@ -77,7 +82,11 @@ _GROUPS: dict[str, dict[str, str]] = {
 }
 
 # A name exported under another name than the engine's own.
-_RENAMED = {"export_drafter": "export"}
+_RENAMED = {
+    "export_drafter": "export",
+    "int8_packed": "packed",
+    "int8_unsupported": "unsupported_reason",
+}
 
 EXPORTS: dict[str, str] = {name: m for group in _GROUPS.values() for name, m in group.items()}
 __all__ = sorted(EXPORTS)

@@ -23,6 +23,7 @@ from tests.quant_blocks import random_blocks
 from tests.test_batch_invariance import _assert_rows_identical, _row_layouts
 from tests.test_gguf_model import write_pair
 from tests.test_model_reference import chunked_forward
+from tooling.bench import int8_products
 
 pytestmark = pytest.mark.skipif(not load_kernels(), reason="needs the C++ kernels")
 
@@ -216,3 +217,11 @@ def test_real_model_trained_drafters_stay_greedy_identical_with_int8(smollm2_pat
     got = speculative.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
     assert speculative.engine.speculator.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.skipif(not VECTOR, reason="no vector path for 8-bit activations on this CPU")
+def test_the_int8_products_bench_prints_both_products_per_row_count(smollm2_path, capsys):
+    assert int8_products.main(["--model", str(smollm2_path), "--rounds", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "2", "3", "5", "8", "16"]
+    assert all(r.count("x |") == 2 for r in rows[1:])  # layers' and the head's ratios
