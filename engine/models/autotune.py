@@ -81,6 +81,10 @@ def _winner(times: dict[str, float]) -> str:
     return next(name for name, t in times.items() if t <= best * (1 + TIE_MARGIN))
 
 
+# The flags that decide which kernels exist and win (VNNI: the 8-bit-activation products).
+_ISA_FLAGS = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "fma", "f16c"}
+
+
 def cpu_identity() -> str:
     """The CPU model and its ISA flags, which decide which kernels win."""
     model, flags = platform.machine(), ""
@@ -89,9 +93,7 @@ def cpu_identity() -> str:
             if line.startswith("model name") and model == platform.machine():
                 model = line.split(":", 1)[1].strip()
             elif line.startswith("flags") and not flags:
-                wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "fma")
-                wanted += ("f16c",)
-                flags = ",".join(f for f in line.split(":", 1)[1].split() if f in wanted)
+                flags = ",".join(f for f in line.split(":", 1)[1].split() if f in _ISA_FLAGS)
     except OSError:
         pass
     return f"{model} [{flags}]"
