@@ -150,6 +150,12 @@ def make_batch_invariant(model: nn.Module, max_rows: int, int8: bool = False) ->
     those products; the others the exact invariant ones."""
     chosen: dict[str, str] = {}
     plans: dict[str, str | None] = {}  # layers of one shape share the check
+    if int8 and int8_isas() == ["portable"]:
+        log.warning(
+            "int8_activations: this CPU has no AVX-512 VNNI, so the 8-bit products run their "
+            "portable reference path: the same numbers, several times slower than the exact "
+            "products"
+        )
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, QuantizedLinear):
