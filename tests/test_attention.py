@@ -35,13 +35,15 @@ def test_mixed_batch_matches_dense_attention(cpu_kernel, D):
 
 
 # The kernel scores sixteen keys at a time: decode and verify runs over caches of 16n - 1, 16n,
-# 16n + 1 and a hundred keys. Slots no sequence wrote hold NaN: the padding of shorter
-# sequences' key lists must never be read (NaN times a zero weight is still NaN).
+# 16n + 1 and a hundred keys, and rows of more than 64 visible keys run in chunks combined
+# afterwards (two of 33 and 32 at 65 keys, five uneven ones at 300). Slots no sequence wrote
+# hold NaN: the padding of shorter sequences' key lists must never be read (NaN times a zero
+# weight is still NaN).
 @pytest.mark.parametrize("D", [48, 64, 128])
 def test_kernel_over_long_caches_never_reads_unwritten_slots(D):
     if not load_kernels():
         pytest.skip("no C++ kernels on this machine")
-    shapes = [(31, 1), (32, 1), (33, 3), (100, 1), (97, 5), (3, 1)]
+    shapes = [(31, 1), (32, 1), (33, 3), (100, 1), (97, 5), (3, 1), (64, 1), (299, 1), (250, 6)]
     check_mixed_batch(shapes, D, cpu_kernel=True, fill=float("nan"))
 
 
@@ -61,7 +63,7 @@ def test_query_heads_sharing_a_kv_head_in_any_number(heads, kv_heads):
 def check_mixed_batch(shapes, D, cpu_kernel, fill, heads=(H, KVH)):
     num_heads, num_kv_heads = heads
     g = torch.Generator().manual_seed(0)
-    num_blocks = 96
+    num_blocks = max(96, 1 + sum(-(-(cached + new) // BS) for cached, new in shapes))
     k_cache = torch.full((num_blocks * BS, num_kv_heads, D), fill)
     v_cache = torch.full((num_blocks * BS, num_kv_heads, D), fill)
     # Block 0 stays unused: padded key lists point at slot 0, which then holds `fill`.

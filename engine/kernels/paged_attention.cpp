@@ -160,6 +160,29 @@ __attribute__((always_inline)) inline void softmax_in_place(float* p, int64_t L)
   for (l = 0; l < L; ++l) p[l] *= inv;
 }
 
+// p[0 .. L) = exp(p - max p) in place; returns (max, sum of the exps): a chunk's share of a
+// softmax whose other keys lie in other chunks (see attend_chunk).
+template <typename V>
+__attribute__((always_inline)) inline std::pair<float, float> exp_in_place(float* p, int64_t L) {
+  constexpr int W = lanes<V>();
+  V top = splat<V>(-std::numeric_limits<float>::infinity());
+  int64_t l = 0;
+  for (; l + W <= L; l += W) {
+    const V s = load<V>(p + l);
+    top = top > s ? top : s;
+  }
+  float best = -std::numeric_limits<float>::infinity();
+  for (int i = 0; i < W; ++i) best = std::max(best, top[i]);
+  for (; l < L; ++l) best = std::max(best, p[l]);
+  for (l = 0; l < L; ++l) p[l] = specserve_kernels::vector_exp(p[l] - best);
+  V sum = {};
+  for (l = 0; l + W <= L; l += W) sum += load<V>(p + l);
+  float total = 0.f;
+  for (int i = 0; i < W; ++i) total += sum[i];
+  for (; l < L; ++l) total += p[l];
+  return {best, total};
+}
+
 // out[h] = sum over visible keys l of p[h][l] * v[l] for G heads at once (D = W N), the sums
 // held in registers; each value row is read once for all G heads.
 template <typename V, int N, int G>
@@ -276,9 +299,105 @@ __attribute__((always_inline)) inline void attend(const float* q, const float* k
   }
 }
 
+// Keys a_row sees, split into chunks that run as tasks of their own (a decode row's three KV
+// heads alone would split 2 + 1 over two threads): at most kChunkKeys keys a chunk, as even as
+// possible. The split depends on the row's own key count only, never on its step, so a row
+// still computes the same alone, verified or batched; rows of up to kChunkKeys keys run
+// whole, exactly as before.
+constexpr int64_t kChunkKeys = 64;
+
+inline int64_t chunks_for(int64_t keys) { return keys <= kChunkKeys ? 1 : (keys + kChunkKeys - 1) / kChunkKeys; }
+
+// Chunk c of n over `keys` keys: [first, first + count).
+inline std::pair<int64_t, int64_t> chunk_range(int64_t keys, int64_t n, int64_t c) {
+  const int64_t base = keys / n, extra = keys % n;
+  return {c * base + std::min(c, extra), base + (c < extra ? 1 : 0)};
+}
+
+// One chunk of one row (KV head kvh): for each of the group's query heads, the chunk's max
+// score and sum of exps (stats[2h], stats[2h + 1]) and the exp-weighted sum of its values
+// (acc[h D .. h D + D)). Head sizes 64 and 128 only (cached_attention runs others whole).
+template <typename V, int G64, int G128>
+__attribute__((always_inline)) inline void attend_chunk(const float* q, const float* k_cache,
+                                                        const float* v_cache, int64_t row,
+                                                        const int64_t* slots, int64_t L,
+                                                        Geometry g, int64_t kvh, float scale,
+                                                        int64_t c, int64_t n, float* acc,
+                                                        float* stats, float* scores) {
+  // slots[0 .. L): the keys the row sees, in order (cached_attention gathers them once a row).
+  const int64_t D = g.dim, group = g.heads / g.kv_heads;
+  const auto [first, count] = chunk_range(L, n, c);
+  slots += first;
+  const float* qr = q + (row * g.heads + kvh * group) * D;
+  if (D == 64)
+    score_keys<V, 64 / lanes<V>()>(qr, group, k_cache, slots, nullptr, g.kv_heads, kvh, count, scale, scores);
+  else
+    score_keys<V, 128 / lanes<V>()>(qr, group, k_cache, slots, nullptr, g.kv_heads, kvh, count, scale, scores);
+  for (int64_t h = 0; h < group; ++h) {
+    const auto [top, sum] = exp_in_place<V>(scores + h * count, count);
+    stats[2 * h] = top;
+    stats[2 * h + 1] = sum;
+  }
+  if (D == 64)
+    weigh_values_grouped<V, 64 / lanes<V>(), G64>(scores, v_cache, slots, nullptr, g.kv_heads, kvh, count, group, acc);
+  else
+    weigh_values_grouped<V, 128 / lanes<V>(), G128>(scores, v_cache, slots, nullptr, g.kv_heads, kvh, count, group, acc);
+}
+
 using AttendFn = void (*)(const float*, const float*, const float*, const int64_t*, const int64_t*,
                           const bool*, const bool*, Geometry, int64_t, float, float*, float*,
                           int64_t*);
+using ChunkFn = void (*)(const float*, const float*, const float*, int64_t, const int64_t*,
+                         int64_t, Geometry, int64_t, float, int64_t, int64_t, float*, float*,
+                         float*);
+
+__attribute__((target("avx512f")))
+void chunk_avx512(const float* q, const float* k_cache, const float* v_cache, int64_t row,
+                  const int64_t* slots, int64_t L, Geometry g, int64_t kvh, float scale,
+                  int64_t c, int64_t n, float* acc, float* stats, float* scores) {
+  attend_chunk<Lanes16, 4, 2>(q, k_cache, v_cache, row, slots, L, g, kvh, scale, c, n, acc, stats, scores);
+}
+
+__attribute__((target("avx2,fma")))
+void chunk_avx2(const float* q, const float* k_cache, const float* v_cache, int64_t row,
+                const int64_t* slots, int64_t L, Geometry g, int64_t kvh, float scale,
+                int64_t c, int64_t n, float* acc, float* stats, float* scores) {
+  attend_chunk<Lanes8, 1, 1>(q, k_cache, v_cache, row, slots, L, g, kvh, scale, c, n, acc, stats, scores);
+}
+
+void chunk_baseline(const float* q, const float* k_cache, const float* v_cache, int64_t row,
+                    const int64_t* slots, int64_t L, Geometry g, int64_t kvh, float scale,
+                    int64_t c, int64_t n, float* acc, float* stats, float* scores) {
+  attend_chunk<Lanes8, 1, 1>(q, k_cache, v_cache, row, slots, L, g, kvh, scale, c, n, acc, stats, scores);
+}
+
+ChunkFn chunk_for_this_cpu() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f")) return chunk_avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return chunk_avx2;
+  return chunk_baseline;
+}
+
+// A chunked row's output from its chunks (in chunk order, whatever ran them): each head's
+// softmax-weighted values, the chunks' exps rescaled to the largest score of all.
+void combine_chunks(const float* acc, const float* stats, int64_t n, int64_t group, int64_t D,
+                    float* out) {
+  for (int64_t h = 0; h < group; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < n; ++c) top = std::max(top, stats[c * 2 * group + 2 * h]);
+    float total = 0.f;
+    float* o = out + h * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t c = 0; c < n; ++c) {
+      const float w = std::exp(stats[c * 2 * group + 2 * h] - top);
+      total += w * stats[c * 2 * group + 2 * h + 1];
+      const float* a = acc + (c * group + h) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
 
 __attribute__((target("avx512f")))
 void attend_avx512(const float* q, const float* k_cache, const float* v_cache, const int64_t* rows,
@@ -339,21 +458,84 @@ void cached_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kFloat &&
                   out.sizes() == q.sizes(), "cache or output shape mismatch");
   static const AttendFn attend_here = attend_for_this_cpu();
-  // One task per (member, KV head, query row): rows are independent (each computes exactly what
-  // it would alone), and a verification step has few members, so tasks per row keep both cores
-  // busy: with one per (member, KV head), SmolLM2's three KV heads split 2 + 1 over two threads
-  // whatever the rows, and each task carried all of them.
+  static const ChunkFn chunk_here = chunk_for_this_cpu();
+  // One task per (member, KV head, query row), or per chunk of a long row's keys (chunks_for):
+  // rows are independent (each computes exactly what it would alone), and a verification step
+  // has few members, so tasks per row keep both cores busy: with one per (member, KV head),
+  // SmolLM2's three KV heads split 2 + 1 over two threads whatever the rows, and each task
+  // carried all of them; a decode row's chunks spread its keys the same way.
   const Geometry one_row{g.heads, g.kv_heads, g.dim, g.keys, 1};
-  at::parallel_for(0, members * g.kv_heads * g.queries, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(g.heads / g.kv_heads * g.keys);
+  const int64_t group = g.heads / g.kv_heads, rows_total = members * g.kv_heads * g.queries;
+  const bool chunkable = g.dim == 64 || g.dim == 128;
+  // Chunks of each (member, KV head, row) task, and where its chunks' partial sums start.
+  std::vector<int64_t> chunks(rows_total, 1), first_task(rows_total + 1, 0), part_at(rows_total, 0);
+  // Each query row's visible keys (with a mask: gathered once here, shared by its KV heads'
+  // chunks), as (first entry in `seen`, count).
+  const int64_t query_rows = members * g.queries;
+  std::vector<int64_t> seen, seen_at(query_rows, 0), seen_count(query_rows, g.keys);
+  if (m && chunkable) {
+    for (int64_t row = 0; row < query_rows; ++row) {
+      seen_at[row] = seen.size();
+      const int64_t* member_slots = slots + row / g.queries * g.keys;
+      for (int64_t l = 0; l < g.keys; ++l)
+        if (m[row * g.keys + l]) seen.push_back(member_slots[l]);
+      seen_count[row] = seen.size() - seen_at[row];
+    }
+  }
+  int64_t parts = 0;
+  for (int64_t t = 0; t < rows_total; ++t) {
+    const int64_t j = t % g.queries, i = t / (g.queries * g.kv_heads), row = i * g.queries + j;
+    if (chunkable && !(ok && !ok[row])) chunks[t] = chunks_for(seen_count[row]);
+    first_task[t + 1] = first_task[t] + chunks[t];
+    part_at[t] = parts;
+    if (chunks[t] > 1) parts += chunks[t];
+  }
+  const int64_t per_chunk = group * (g.dim + 2);  // a chunk's value sums and (max, sum) a head
+  std::vector<float> partial(parts * per_chunk);
+  const int64_t tasks = first_task[rows_total];
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * g.keys);
     std::vector<int64_t> kept(m ? g.keys : 0);
-    for (int64_t t = begin; t < end; ++t) {
+    // The row task holding flat task `begin`, then walked forward.
+    int64_t t = std::upper_bound(first_task.begin(), first_task.end(), begin) - first_task.begin() - 1;
+    for (int64_t f = begin; f < end; ++f) {
+      while (f >= first_task[t + 1]) ++t;
       const int64_t j = t % g.queries, kvh = t / g.queries % g.kv_heads;
       const int64_t i = t / (g.queries * g.kv_heads), row = i * g.queries + j;
-      attend_here(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                  rows + row, slots + i * g.keys, m ? m + row * g.keys : nullptr,
-                  ok ? ok + row : nullptr, one_row, kvh, float(scale), out.data_ptr<float>(),
-                  scores.data(), kept.data());
+      if (chunks[t] == 1) {
+        attend_here(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                    rows + row, slots + i * g.keys, m ? m + row * g.keys : nullptr,
+                    ok ? ok + row : nullptr, one_row, kvh, float(scale), out.data_ptr<float>(),
+                    scores.data(), kept.data());
+        continue;
+      }
+      const int64_t c = f - first_task[t];
+      float* base = partial.data() + (part_at[t] + c) * per_chunk;
+      const int64_t* row_slots = m ? seen.data() + seen_at[row] : slots + i * g.keys;
+      chunk_here(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), rows[row],
+                 row_slots, seen_count[row], one_row, kvh, float(scale), c, chunks[t], base,
+                 base + group * g.dim, scores.data());
+    }
+  });
+  if (parts == 0) return;
+  // Chunk c's sums sit at part_at + c: value sums [group * D], then (max, sum) per head. The
+  // combine reads them in chunk order.
+  at::parallel_for(0, rows_total, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc, stats;
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = chunks[t];
+      if (n == 1) continue;
+      acc.resize(n * group * g.dim);
+      stats.resize(n * 2 * group);
+      for (int64_t c = 0; c < n; ++c) {
+        const float* base = partial.data() + (part_at[t] + c) * per_chunk;
+        std::copy(base, base + group * g.dim, acc.begin() + c * group * g.dim);
+        std::copy(base + group * g.dim, base + per_chunk, stats.begin() + c * 2 * group);
+      }
+      const int64_t j = t % g.queries, kvh = t / g.queries % g.kv_heads;
+      const int64_t i = t / (g.queries * g.kv_heads), row = i * g.queries + j;
+      float* o = out.data_ptr<float>() + (rows[row] * g.heads + kvh * group) * g.dim;
+      combine_chunks(acc.data(), stats.data(), n, group, g.dim, o);
     }
   });
 }
