@@ -35,15 +35,15 @@ def test_mixed_batch_matches_dense_attention(cpu_kernel, D):
 
 
 # The kernel scores sixteen keys at a time: decode and verify runs over caches of 16n - 1, 16n,
-# 16n + 1 and a hundred keys, and rows of more than 64 visible keys run in chunks combined
-# afterwards (two of 33 and 32 at 65 keys, five uneven ones at 300). Slots no sequence wrote
+# 16n + 1 and a hundred keys, and rows of more than 256 visible keys run in chunks combined
+# afterwards (two of 129 and 128 at 257 keys, three uneven ones at 700). Slots no sequence wrote
 # hold NaN: the padding of shorter sequences' key lists must never be read (NaN times a zero
 # weight is still NaN).
 @pytest.mark.parametrize("D", [48, 64, 128])
 def test_kernel_over_long_caches_never_reads_unwritten_slots(D):
     if not load_kernels():
         pytest.skip("no C++ kernels on this machine")
-    shapes = [(31, 1), (32, 1), (33, 3), (100, 1), (97, 5), (3, 1), (64, 1), (299, 1), (250, 6)]
+    shapes = [(31, 1), (32, 1), (33, 3), (100, 1), (97, 5), (3, 1), (256, 1), (699, 1), (254, 6)]
     check_mixed_batch(shapes, D, cpu_kernel=True, fill=float("nan"))
 
 

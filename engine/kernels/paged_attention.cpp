@@ -299,12 +299,13 @@ __attribute__((always_inline)) inline void attend(const float* q, const float* k
   }
 }
 
-// Keys a_row sees, split into chunks that run as tasks of their own (a decode row's three KV
-// heads alone would split 2 + 1 over two threads): at most kChunkKeys keys a chunk, as even as
-// possible. The split depends on the row's own key count only, never on its step, so a row
-// still computes the same alone, verified or batched; rows of up to kChunkKeys keys run
-// whole, exactly as before.
-constexpr int64_t kChunkKeys = 64;
+// The keys a long row sees, split into chunks that run as tasks of their own (a decode row's
+// three KV heads alone would split 2 + 1 over two threads): at most kChunkKeys keys a chunk,
+// as even as possible. The split depends on the row's own key count only, never on its step,
+// so a row still computes the same alone, verified or batched; rows of up to kChunkKeys keys
+// run whole, exactly as before. (At 64 the chunks' combining cost more than the balance won
+// at 150 keys: `python -m tests.attention_bench --sequences 1`.)
+constexpr int64_t kChunkKeys = 256;
 
 inline int64_t chunks_for(int64_t keys) { return keys <= kChunkKeys ? 1 : (keys + kChunkKeys - 1) / kChunkKeys; }
 
