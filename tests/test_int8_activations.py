@@ -20,7 +20,13 @@ from engine.models.loader import load_model
 from engine.models.quantized_linear import QuantizedLinear
 from engine.models.weight_formats import dequantize_torch, read_stored
 from tests.quant_blocks import random_blocks
-from tests.test_batch_invariance import _assert_rows_identical, _row_layouts
+from tests.test_batch_invariance import (
+    LOGPROBS,
+    PROMPTS,
+    _assert_rows_identical,
+    _row_layouts,
+    _tokens_and_logprobs,
+)
 from tests.test_gguf_model import write_pair
 from tests.test_model_reference import chunked_forward
 from tooling.bench import int8_products
@@ -119,17 +125,6 @@ def test_tiny_model_rows_are_identical_in_every_layout_with_int8(tiny_gguf_dir):
     torch.manual_seed(0)
     context = torch.randint(5, 300, (45,)).tolist()
     _assert_rows_identical(_row_layouts(model, context, [11, 12, 13, 14, 15]))
-
-
-LOGPROBS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-PROMPTS = [[5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14], [20 + i % 7 for i in range(40)]]
-
-
-def _tokens_and_logprobs(outputs):
-    return [
-        [(t.token_id, t.logprob, t.top_logprobs) for t in out.outputs[0].logprobs]
-        for out in outputs
-    ]
 
 
 @pytest.mark.usefixtures("single_torch_thread")

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "vector_exp.h"
@@ -135,9 +136,10 @@ __attribute__((always_inline)) inline void score_keys(const float* q, int64_t gr
   }
 }
 
-// p[0 .. L) = softmax(p) in place; exactly 0 where p was -inf.
+// p[0 .. L) = exp(p - max p) in place; returns (max, sum of the exps): the softmax below, or
+// a chunk's share of one whose other keys lie in other chunks (see attend_chunk).
 template <typename V>
-__attribute__((always_inline)) inline void softmax_in_place(float* p, int64_t L) {
+__attribute__((always_inline)) inline std::pair<float, float> exp_in_place(float* p, int64_t L) {
   // Reductions in explicit lanes: a plain float loop's max and sum stay scalar (their order
   // is fixed without -ffast-math), and the exp loop with them.
   constexpr int W = lanes<V>();
@@ -156,31 +158,14 @@ __attribute__((always_inline)) inline void softmax_in_place(float* p, int64_t L)
   float total = 0.f;
   for (int i = 0; i < W; ++i) total += sum[i];
   for (; l < L; ++l) total += p[l];
-  const float inv = 1.f / total;
-  for (l = 0; l < L; ++l) p[l] *= inv;
+  return {best, total};
 }
 
-// p[0 .. L) = exp(p - max p) in place; returns (max, sum of the exps): a chunk's share of a
-// softmax whose other keys lie in other chunks (see attend_chunk).
+// p[0 .. L) = softmax(p) in place; exactly 0 where p was -inf.
 template <typename V>
-__attribute__((always_inline)) inline std::pair<float, float> exp_in_place(float* p, int64_t L) {
-  constexpr int W = lanes<V>();
-  V top = splat<V>(-std::numeric_limits<float>::infinity());
-  int64_t l = 0;
-  for (; l + W <= L; l += W) {
-    const V s = load<V>(p + l);
-    top = top > s ? top : s;
-  }
-  float best = -std::numeric_limits<float>::infinity();
-  for (int i = 0; i < W; ++i) best = std::max(best, top[i]);
-  for (; l < L; ++l) best = std::max(best, p[l]);
-  for (l = 0; l < L; ++l) p[l] = specserve_kernels::vector_exp(p[l] - best);
-  V sum = {};
-  for (l = 0; l + W <= L; l += W) sum += load<V>(p + l);
-  float total = 0.f;
-  for (int i = 0; i < W; ++i) total += sum[i];
-  for (; l < L; ++l) total += p[l];
-  return {best, total};
+__attribute__((always_inline)) inline void softmax_in_place(float* p, int64_t L) {
+  const float inv = 1.f / exp_in_place<V>(p, L).second;
+  for (int64_t l = 0; l < L; ++l) p[l] *= inv;
 }
 
 // out[h] = sum over visible keys l of p[h][l] * v[l] for G heads at once (D = W N), the sums
