@@ -28,7 +28,12 @@ from server.ray_serve.proxied import REPLICA_HEADER, Lease, ProxiedRequest
 from server.ray_serve.registry import registry
 
 app = FastAPI(title="specserve on Ray Serve")
-START_ATTEMPTS = 4  # replicas tried for a request that no replica has begun to answer
+# Replicas tried (0.5 s apart) for a request that no replica has begun to answer. A replica
+# whose server died ends its actor, but the routers learn of it only when a call to the actor
+# fails; until then the router's pick between two equally short queues is a coin toss, and
+# four tries all landed on the dead one about once in sixteen (a CI run's 503 right after a
+# kill, session 37). Eight make that about one in 256, inside 3.5 s.
+START_ATTEMPTS = 8
 # Hop-by-hop headers, and the length the proxy recomputes.
 DROPPED_HEADERS = {"host", "content-length", "connection", "transfer-encoding", "keep-alive"}
 STREAM_LOST = {
