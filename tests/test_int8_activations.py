@@ -127,6 +127,23 @@ def test_tiny_model_rows_are_identical_in_every_layout_with_int8(tiny_gguf_dir):
     _assert_rows_identical(_row_layouts(model, context, [11, 12, 13, 14, 15]))
 
 
+INT8 = {"int8_activations": True, "kv_cache": {"num_blocks": 256}}
+
+
+@pytest.fixture(scope="module")
+def plain_int8_run(tiny_gguf_dir):
+    """Plain decoding's tokens and logprobs on the tiny GGUF model with 8-bit activations (one
+    thread, as the speculative runs below)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain = LLM(model=str(tiny_gguf_dir), **INT8)
+        assert plain.engine.model.batch_invariant  # the switch turns batch invariance on
+        return _tokens_and_logprobs(plain.generate(PROMPTS, LOGPROBS))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.usefixtures("single_torch_thread")
 @pytest.mark.parametrize(
     "decoder",
@@ -137,19 +154,19 @@ def test_tiny_model_rows_are_identical_in_every_layout_with_int8(tiny_gguf_dir):
     ],
     ids=["ngram-chain", "ngram-tree", "draft"],
 )
-def test_speculation_equals_plain_decoding_bit_for_bit_with_int8(tiny_gguf_dir, decoder):
-    common = {"int8_activations": True, "kv_cache": {"num_blocks": 256}}
-    plain = LLM(model=str(tiny_gguf_dir), **common)
-    assert plain.engine.model.batch_invariant  # the switch turns batch invariance on
-    want = _tokens_and_logprobs(plain.generate(PROMPTS, LOGPROBS))
-    speculative = LLM(model=str(tiny_gguf_dir), decoder=decoder, **common)
-    assert _tokens_and_logprobs(speculative.generate(PROMPTS, LOGPROBS)) == want
-    # ... and it is another model than the exact one (close, not equal).
+def test_speculation_equals_plain_decoding_bit_for_bit_with_int8(
+    tiny_gguf_dir, plain_int8_run, decoder
+):
+    speculative = LLM(model=str(tiny_gguf_dir), decoder=decoder, **INT8)
+    assert _tokens_and_logprobs(speculative.generate(PROMPTS, LOGPROBS)) == plain_int8_run
+
+
+def test_int8_is_another_model_close_to_the_exact_one(tiny_gguf_dir, plain_int8_run):
     exact = _tokens_and_logprobs(
         LLM(model=str(tiny_gguf_dir), kv_cache={"num_blocks": 256}).generate(PROMPTS, LOGPROBS)
     )
-    assert exact != want
-    first = [(run[0][0], run[0][1]) for run in want]
+    assert exact != plain_int8_run
+    first = [(run[0][0], run[0][1]) for run in plain_int8_run]
     assert [t for t, _ in first] == [run[0][0] for run in exact]
     assert all(abs(lp - run[0][1]) < 0.05 for (_, lp), run in zip(first, exact, strict=True))
 
@@ -194,6 +211,16 @@ def test_drafters_of_an_int8_target_take_int8_products_too(tiny_gguf_dir):
     assert plain.stored.scales.shape == (32, 4) and not plain.plan[0][1].startswith("kernel-int8")
 
 
+REAL_PROMPTS = ["What is the capital of France?", "Write a short poem about the sea."]
+REAL_GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def real_plain_int8(smollm2_path):
+    plain = LLM(model=str(smollm2_path), int8_activations=True)
+    return [o.outputs[0].token_ids for o in plain.generate(REAL_PROMPTS, REAL_GREEDY)]
+
+
 @pytest.mark.parametrize(
     "decoder",
     [
@@ -202,15 +229,14 @@ def test_drafters_of_an_int8_target_take_int8_products_too(tiny_gguf_dir):
     ],
     ids=["eagle3-k1", "hybrid-k1"],
 )
-def test_real_model_trained_drafters_stay_greedy_identical_with_int8(smollm2_path, decoder):
+def test_real_model_trained_drafters_stay_greedy_identical_with_int8(
+    smollm2_path, real_plain_int8, decoder
+):
     """SmolLM2 with 8-bit activations: the shipped EAGLE-3 (and the hybrid over it) give
     exactly the tokens plain decoding under the same numerics gives."""
-    prompts = ["What is the capital of France?", "Write a short poem about the sea."]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = LLM(model=str(smollm2_path), int8_activations=True).generate(prompts, params)
     speculative = LLM(model=str(smollm2_path), int8_activations=True, decoder=decoder)
-    got = speculative.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    got = speculative.generate(REAL_PROMPTS, REAL_GREEDY)
+    assert [o.outputs[0].token_ids for o in got] == real_plain_int8
     assert speculative.engine.speculator.stats.num_accepted_tokens > 0
 
 
