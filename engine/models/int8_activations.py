@@ -12,9 +12,11 @@ greedy-identical to plain decoding under these numerics; the engine turns on
 Weights are repacked once, at their first product (the engine's load-time check), into the
 kernel's "x16" layout (16 output rows side by side; see the C++ file), next to the stored
 weight, which the embedding lookups and dequantizing callers keep using: the quantized
-weights' memory about doubles (SmolLM2: 96 MB more), what a step reads does not. Supported: 4-bit and 8-bit codes in blocks of 32 with float16
-or float32 scales (Q4_0, Q4_1, Q4_K, Q5_K, Q8_0), at least 16 output rows in groups of 16.
-Other weights (Q6_K's blocks of 16, half-precision rows) keep the exact products.
+weights' memory about doubles (SmolLM2: 96 MB more), what a step reads does not.
+
+Supported: 4-bit and 8-bit codes in blocks of 32 with float16 or float32 scales (Q4_0, Q4_1,
+Q4_K, Q5_K, Q8_0), at least 16 output rows in groups of 16. Other weights (Q6_K's blocks of
+16, half-precision rows) keep the exact products.
 """
 
 from __future__ import annotations
