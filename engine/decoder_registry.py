@@ -333,6 +333,12 @@ register(
                 "eagle3": {"quantization": "int4"},
             },
             "eagle3-tree2": {"method": "eagle3", "eagle3": {"tree_top_k": 2}},
+            # Two drafter passes: the top 3 first drafts and their likeliest continuations,
+            # the best k of them verified (where a few more verified rows are nearly free).
+            **{f"eagle3-tree3-d2-k{k}": {
+                "method": "eagle3", "num_speculative_tokens": k,
+                "eagle3": {"tree_top_k": 3, "tree_depth": 2},
+            } for k in (2, 3, 4)},
             **_goodput("eagle3", untrimmed=True),
         },
     )  # fmt: skip

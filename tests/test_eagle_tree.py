@@ -100,6 +100,26 @@ def test_the_tree_is_the_most_valuable_nodes_parents_first(tiny_model_dir, draft
     assert small.token_ids == full.token_ids[:5] and small.parents == full.parents[:5]
 
 
+def test_a_tree_writes_its_entries_only_into_the_slots_it_was_granted(tiny_model_dir,
+                                                                     drafter_dir):  # fmt: skip
+    llm = tree_llm(tiny_model_dir, drafter_dir)
+    engine, seq = decoding_sequence(llm, SamplingParams(temperature=0, max_tokens=16))
+    drafter = engine.speculator.decoders["eagle"].drafter
+    k_cache, v_cache = drafter.kv_cache.layers[0]
+    table, size = seq.cache_state().block_table, drafter.kv_cache.block_size
+    after_decode = [table[p // size] * size + p % size
+                    for p in range(seq.num_tokens, len(table) * size)]  # fmt: skip
+    k_cache[after_decode] = float("nan")
+    v_cache[after_decode] = float("nan")
+    # Three first drafts expanded, then one more node: the four slots of a grant of four,
+    # one entry each, in order; nothing past them.
+    proposal = draft_tree(drafter, [seq], {seq: 4}, top_k=3, depth=3)[seq]
+    assert len(proposal.token_ids) == 4
+    written = [not bool(k_cache[s].isnan().any()) for s in after_decode]
+    assert written == [True] * 4 + [False] * (len(after_decode) - 4)
+    assert not bool(v_cache[after_decode[:4]].isnan().any())
+
+
 def test_sequences_drafting_together_get_the_trees_they_get_alone(tiny_model_dir, drafter_dir):
     prompts = [PROMPT, [3 + i % 5 for i in range(18)], [60 - i for i in range(17)]]
     grants = [8, 3, 6]

@@ -233,7 +233,7 @@ class EagleDrafter(ModelDrafter):
         embeddings = self.model.embed(torch.tensor(ids, device=self.device))
         features = features[0] if len(features) == 1 else torch.cat(features)
         rope = self.model.rope.lookup(positions_t)
-        hidden = self._run_layer(embeddings, features.to(self.device), rope, attn)
+        hidden = self.run_layer(embeddings, features.to(self.device), rope, attn)
         row = 0
         for s, piece in zip(seqs, slices, strict=True):
             state, log = self._states[s], self._logs[s]
@@ -267,7 +267,7 @@ class EagleDrafter(ModelDrafter):
         x = self.fc(torch.cat([embeddings, features], dim=-1))
         return x, x
 
-    def _run_layer(self, embeddings, features, rope, attn) -> torch.Tensor:
+    def run_layer(self, embeddings, features, rope, attn) -> torch.Tensor:
         """The layer over new entries on the paged cache; returns their outputs."""
         x, _ = self.entry(embeddings, features)
         if self.stack is not None:
@@ -288,6 +288,11 @@ class EagleDrafter(ModelDrafter):
         )  # fmt: skip
         logits[:, self.draft_vocab] = scores
         return logits
+
+    def write_guesses(self, seq: Sequence, first: int, count: int) -> None:
+        """Entries of guesses go to positions ``first`` .. ``first + count - 1`` (a draft
+        tree's, ``engine.decoders.eagle_tree``): their blocks no longer hold what was recorded."""
+        self._written.overwrite(seq.cache_state().block_table, first, count)
 
     def root_guess(self, seq: Sequence) -> torch.Tensor:
         """The drafter's output at the sequence's newest entry (after ``forward``)."""

@@ -178,7 +178,7 @@ class Eagle3Drafter(EagleDrafter):
         )  # fmt: skip
         return x, features
 
-    def _run_layer(self, embeddings, features, rope, attn) -> torch.Tensor:
+    def run_layer(self, embeddings, features, rope, attn) -> torch.Tensor:
         x, residual = self.entry(embeddings, features)
         if self.stack is not None:
             hidden = residual.clone()  # the stack updates it in place; the log keeps its own

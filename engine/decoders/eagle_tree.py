@@ -11,17 +11,22 @@ estimate of the chance the target accepts it). Drafting goes depth by depth:
   slots the step granted) are the tree the target verifies. A child's value never exceeds its
   parent's, so the ranking lists parents first and every prefix of it is a tree.
 
-**The tree's drafter entries** attend to the sequence's own entries in the drafter's paged
-cache (everything up to the decode token, read there once per round) and to their ancestors in
-the tree, whose K/V stay in this round's dense tensors: they are entries of guesses, never
-kept (the next round re-reads the accepted tokens with the target's features, as after a
-chain).
+**The tree's drafter entries** go where the target's verification will put its own: into the
+drafter's paged cache, at the slots after the decode token (the step reserved them for the n
+drafts), one slot per expanded node in order of expansion, each at the position its depth
+gives. A node's entry attends to the sequence's cached entries and, of the tree's, to its own
+path (a mask, as in the target's tree verification), so the layer runs in the same one C++
+call as a chain's. At most n nodes are expanded, the slots there are. They are entries of
+guesses, never kept: the next round re-reads the accepted tokens with the target's features
+over them, as after a chain.
 
 Drafts are deterministic picks, so the verifier's one-hot tree rule keeps every sampling
 parameter exact. Candidates and values come from the drafter's logits processed with the
 request's own parameters and the node's path as history (a constraint's forbidden tokens are
 never drafted, a biased token is ranked as the target will rank it): q for a sampled request,
-the softmax of the processed logits for a greedy one.
+the softmax of the processed logits for a greedy one. Where no row needs processing (the usual
+request) they are read from the drafter's scores over its draft vocabulary alone, as chains
+are (``ModelDrafter``): the other tokens' probabilities are 0 either way.
 """
 
 from __future__ import annotations
@@ -31,12 +36,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
-from engine.attention import slots_for_positions
+from engine.attention import AttentionGroup, AttentionMetadata
 from engine.decoders.base import Proposal
 from engine.rejection_sampler import position_row
-from engine.sampling import probabilities, process_logits
+from engine.sampling import needs_processing, probabilities, process_logits
 from engine.token_tree import ancestry, path_to
 
 if TYPE_CHECKING:
@@ -48,17 +52,20 @@ class TreeDrafter(Protocol):
     here so that this module need not import the decoder that imports it."""
 
     model: Any
-    layer: Any
     kv_cache: Any
     device: torch.device
     eos_token_ids: Collection[int]
+    draft_vocab: torch.Tensor | None  # ascending; ``readout``'s columns
 
     def entry(self, embeddings: torch.Tensor, features: torch.Tensor) -> tuple: ...
     def begin_round(self, seq: Sequence) -> None: ...
-    def forward(self, seqs: list, drafts: dict, fresh: dict) -> torch.Tensor: ...
+    def forward(self, seqs: list, drafts: dict, fresh: dict, compact: bool = False): ...
     def root_guess(self, seq: Sequence) -> torch.Tensor: ...
     def ends_sequence(self, seq: Sequence, token: int) -> bool: ...
+    def readout(self, hidden: torch.Tensor) -> torch.Tensor: ...
     def read_out(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def write_guesses(self, seq: Sequence, first: int, count: int) -> None: ...
+    def run_layer(self, embeddings, features, rope, attn) -> torch.Tensor: ...
 
 
 @dataclass
@@ -73,17 +80,15 @@ class _Node:
 
 @dataclass
 class _Round:
-    """One sequence's tree under construction, with what its entries attend to."""
+    """One sequence's tree under construction."""
 
     seq: Sequence
     decode_position: int
     root_guess: torch.Tensor  # the drafter's output at the decode token
-    context_k: torch.Tensor  # [L, KVH, D] the drafter's cached entries, positions 0..decode
-    context_v: torch.Tensor
+    capacity: int  # nodes it may expand: the slots after the decode token it may write
     nodes: list[_Node] = field(default_factory=list)
-    # The expanded nodes' K/V, one row each in order of expansion, and whose row is whose.
-    tree_k: list[torch.Tensor] = field(default_factory=list)
-    tree_v: list[torch.Tensor] = field(default_factory=list)
+    # The expanded nodes in order of expansion: node tree_owner[j]'s entry is at slot
+    # decode_position + 1 + j.
     tree_owner: list[int] = field(default_factory=list)
 
     @property
@@ -113,11 +118,12 @@ def draft_tree(
         drafter.begin_round(s)
     # The decode token's entry (and any the drafter has not read yet) into the paged cache:
     # its output guesses the first depth.
-    logits = drafter.forward(seqs, {s: [] for s in seqs}, {s: 1 for s in seqs})
-    rounds = [_start_round(drafter, s) for s in seqs]
+    compact = drafter.draft_vocab is not None
+    scores = drafter.forward(seqs, {s: [] for s in seqs}, {s: 1 for s in seqs}, compact=compact)
+    rounds = [_start_round(drafter, s, num_drafts[s]) for s in seqs]
     parents = [[-1] for _ in seqs]
     for level in range(1, depth + 1):
-        _add_children(drafter, rounds, parents, logits, top_k, level)
+        _add_children(drafter, rounds, parents, scores, compact, top_k, level)
         # The newest depth's most valuable nodes go through the drafter layer together.
         parents = [
             _frontier(drafter, r, level, top_k) if level < min(depth, num_drafts[r.seq]) else []
@@ -125,34 +131,31 @@ def draft_tree(
         ]  # fmt: skip
         if not any(parents):
             break
-        logits = _expand(drafter, rounds, parents)
+        scores = _expand(drafter, rounds, parents, compact)
     return {r.seq: _proposal(r, num_drafts[r.seq]) for r in rounds}
 
 
-def _start_round(drafter: TreeDrafter, seq: Sequence) -> _Round:
+def _start_round(drafter: TreeDrafter, seq: Sequence, num_drafts: int) -> _Round:
     decode = seq.num_tokens - 1
-    k_cache, v_cache = drafter.kv_cache.layers[0]
-    positions = torch.arange(decode + 1)
-    window = drafter.model.arch.sliding_window
-    if window is not None:  # (Mistral) the cached entries a query near the decode token sees
-        positions = positions[-window:]
-    table = seq.cache_state().block_table
-    slots = slots_for_positions(table, positions, drafter.kv_cache.block_size).to(k_cache.device)
-    return _Round(seq, decode, drafter.root_guess(seq), k_cache[slots], v_cache[slots])
+    slots = len(seq.cache_state().block_table) * drafter.kv_cache.block_size
+    return _Round(seq, decode, drafter.root_guess(seq), min(num_drafts, slots - decode - 1))
 
 
 def _frontier(drafter: TreeDrafter, r: _Round, level: int, top_k: int) -> list[int]:
-    """The ``top_k`` most valuable nodes of depth ``level`` that the sequence can go on after."""
+    """The ``top_k`` most valuable nodes of depth ``level`` that the sequence can go on after
+    (as many as it has slots left for)."""
     newest = [
         i for i, n in enumerate(r.nodes)
         if n.depth == level and not drafter.ends_sequence(r.seq, n.token)
     ]  # fmt: skip
-    return sorted(newest, key=lambda i: -r.nodes[i].value)[:top_k]
+    room = max(0, r.capacity - len(r.tree_owner))
+    return sorted(newest, key=lambda i: -r.nodes[i].value)[: min(top_k, room)]
 
 
-def _add_children(drafter, rounds, parents, logits, top_k: int, level: int) -> None:
-    """Each parent's ``top_k`` likeliest next tokens become its children. ``logits`` has a
-    row per parent, round after round."""
+def _add_children(drafter, rounds, parents, scores, compact: bool, top_k: int, level) -> None:
+    """Each parent's ``top_k`` likeliest next tokens become its children. ``scores`` has a
+    row per parent, round after round: over the draft vocabulary with ``compact``, else over
+    the whole vocabulary."""
     rows, owners = [], []
     for r, ps in zip(rounds, parents, strict=True):
         seq = r.seq
@@ -162,8 +165,14 @@ def _add_children(drafter, rounds, parents, logits, top_k: int, level: int) -> N
                              r.tokens(p))
             )  # fmt: skip
             owners.append((r, p))
-    dists = _values(logits, rows, drafter.eos_token_ids)
-    probs, tokens = dists.topk(top_k, dim=-1)
+    processing = any(map(needs_processing, rows))
+    if compact and processing:  # back to the whole vocabulary, -inf outside the drafter's
+        whole = scores.new_full((len(scores), drafter.model.arch.vocab_size), float("-inf"))
+        whole[:, drafter.draft_vocab] = scores
+        scores = whole
+    probs, tokens = _values(scores, rows, processing, drafter.eos_token_ids).topk(top_k, dim=-1)
+    if compact and not processing:
+        tokens = drafter.draft_vocab[tokens]
     for (r, p), row_probs, row_tokens in zip(owners, probs.tolist(), tokens.tolist(), strict=True):
         base = 1.0 if p < 0 else r.nodes[p].value
         for prob, token in zip(row_probs, row_tokens, strict=True):
@@ -171,64 +180,88 @@ def _add_children(drafter, rounds, parents, logits, top_k: int, level: int) -> N
                 r.nodes.append(_Node(token, p, level, prob, base * prob))
 
 
-def _values(logits: torch.Tensor, rows, eos_token_ids) -> torch.Tensor:
+def _values(scores: torch.Tensor, rows, processing: bool, eos_token_ids) -> torch.Tensor:
     """Each row's distribution over next tokens, processed as the target's will be (masks,
     bias, penalties; a sampled row's temperature and filters): q for a sampled row, for a
-    greedy one how likely each token is to be the target's pick. Masked tokens get 0."""
-    processed = process_logits(logits, rows, eos_token_ids)
+    greedy one how likely each token is to be the target's pick. Masked tokens get 0.
+    Without ``processing`` (no row needs any) that is the softmax of the scores, over
+    whichever columns they have."""
+    if not processing:
+        return torch.softmax(scores, dim=-1)
+    processed = process_logits(scores, rows, eos_token_ids)
     return probabilities(processed).masked_fill(processed.isneginf(), 0.0)
 
 
-def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]]):
-    """The drafter layer over the frontier nodes of every round at once (the same layer as
-    ``EagleDrafter.forward``, with the tree's attention); returns their logits, a row per node,
-    round after round, and keeps their guesses and K/V."""
-    entries = [(r, i) for r, ps in zip(rounds, parents, strict=True) for i in ps]
-    model, layer = drafter.model, drafter.layer
-    device = drafter.device
+def _expand(drafter: TreeDrafter, rounds: list[_Round], parents: list[list[int]], compact):
+    """The drafter layer over the frontier nodes of every round at once, their entries
+    written after the round's earlier ones; returns their scores, a row per node, round
+    after round (as ``drafter.forward`` would), and keeps their guesses."""
+    members = [(r, ps) for r, ps in zip(rounds, parents, strict=True) if ps]
+    entries = [(r, i) for r, ps in members for i in ps]
+    model, device = drafter.model, drafter.device
+    for r, ps in members:
+        drafter.write_guesses(r.seq, r.decode_position + 1 + len(r.tree_owner), len(ps))
+        r.tree_owner += ps
     tokens = torch.tensor([r.nodes[i].token for r, i in entries], device=device)
     features = torch.stack([r.feature_before(i) for r, i in entries]).to(device)
     positions = torch.tensor(
         [r.decode_position + r.nodes[i].depth for r, i in entries], device=device
     )
-    x, residual = drafter.entry(model.embed(tokens), features)
-    q, k, v = layer.attention_inputs(x, model.rope.lookup(positions))
-    attended, row = [], 0
-    for r, ps in zip(rounds, parents, strict=True):
-        if not ps:
-            continue
-        rows = slice(row, row + len(ps))
-        for i, key, value in zip(ps, k[rows], v[rows], strict=True):
-            r.tree_k.append(key)
-            r.tree_v.append(value)
-            r.tree_owner.append(i)
-        attended.append(_attend(q[rows], r, ps))
-        row += len(ps)
-    hidden = layer.finish(residual, torch.cat(attended))
+    attn = _tree_attention(drafter, members)
+    hidden = drafter.run_layer(model.embed(tokens), features, model.rope.lookup(positions), attn)
     for (r, i), guess in zip(entries, hidden, strict=True):
         r.nodes[i].guess = guess
-    return drafter.read_out(hidden)
+    return drafter.readout(hidden).float() if compact else drafter.read_out(hidden)
 
 
-def _attend(q: torch.Tensor, r: _Round, nodes: list[int]) -> torch.Tensor:
-    """q [F, H, D] of ``nodes``' entries over the round's cached entries and, of the tree's
-    entries, each node's own path; returns [F, H, D]."""
-    f, h, d = q.shape
-    keys = torch.cat([r.context_k, torch.stack(r.tree_k)])  # [L + m, KVH, D]
-    values = torch.cat([r.context_v, torch.stack(r.tree_v)])
-    kvh = keys.shape[1]
-    group = h // kvh  # query heads per K/V head
-    # Each node sees the round's cached entries and, of the tree's, its own path's (the
-    # target's verification attention reads the same ancestry). Built on the CPU, moved once.
-    own = ancestry(r.parents)[nodes][:, r.tree_owner]  # [F, m]
-    seen = torch.cat([torch.ones(f, len(r.context_k), dtype=torch.bool), own], 1).to(q.device)
-    # Queries of one K/V head side by side: [KVH, F * group, D] against [KVH, L + m, D].
-    qg = q.reshape(f, kvh, group, d).permute(1, 0, 2, 3).reshape(kvh, f * group, d)
-    mask = seen.repeat_interleave(group, dim=0)  # [F * group, L + m]
-    out = F.scaled_dot_product_attention(
-        qg, keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask
+def _tree_attention(drafter: TreeDrafter, members) -> AttentionMetadata:
+    """The attention plan of an expansion: each frontier node's entry goes to its round's
+    next tree slot and sees the round's cached entries (positions 0 .. decode) and, of the
+    tree's entries, its own path; one padded group over every round."""
+    block_size = drafter.kv_cache.block_size
+    window = drafter.model.arch.sliding_window
+    q_len = max(len(ps) for _, ps in members)
+    kv_len = max(r.decode_position + 1 + len(r.tree_owner) for r, _ in members)
+    b = len(members)
+    query_index = torch.zeros(b, q_len, dtype=torch.long)
+    kv_slots = torch.zeros(b, kv_len, dtype=torch.long)
+    mask = torch.zeros(b, 1, q_len, kv_len, dtype=torch.bool)
+    valid = torch.zeros(b, q_len, dtype=torch.bool)
+    slot_mapping, row = [], 0
+    for m, (r, ps) in enumerate(members):
+        context, written = r.decode_position + 1, len(r.tree_owner)
+        total = context + written
+        table = torch.tensor(r.seq.cache_state().block_table, dtype=torch.long)
+        positions = torch.arange(total)
+        slots = table[positions // block_size] * block_size + positions % block_size
+        kv_slots[m, :total] = slots
+        slot_mapping += slots[total - len(ps) :].tolist()
+        query_index[m] = row
+        query_index[m, : len(ps)] = torch.arange(row, row + len(ps))
+        seen = mask[m, 0]
+        seen[: len(ps), :context] = True
+        seen[: len(ps), context:total] = ancestry(r.parents)[ps][:, r.tree_owner]
+        if window is not None:  # the window counts tree positions (decode + depth)
+            depth = torch.tensor([r.nodes[i].depth for i in r.tree_owner])
+            key_pos = torch.cat([torch.arange(context), r.decode_position + depth])
+            query_pos = r.decode_position + torch.tensor([r.nodes[i].depth for i in ps])
+            seen[: len(ps), :total] &= key_pos[None, :] > query_pos[:, None] - window
+        seen[len(ps) :, 0] = True  # padding rows see one key so softmax stays finite
+        valid[m, : len(ps)] = True
+        row += len(ps)
+    output_rows = torch.arange(row)
+    all_valid = bool(valid.all())
+    group = AttentionGroup(
+        query_index.to(drafter.device),
+        kv_slots.to(drafter.device),
+        mask.to(drafter.device),
+        None if all_valid else valid.flatten().to(drafter.device),
+        output_rows.to(drafter.device),
+        whole_batch=all_valid,  # no padding: the queries are rows 0 .. T - 1 in order
     )
-    return out.reshape(kvh, f, group, d).permute(1, 0, 2, 3).reshape(f, h, d)
+    slots = torch.tensor(slot_mapping, dtype=torch.long, device=drafter.device)
+    head_dim = drafter.model.arch.head_dim
+    return AttentionMetadata(slots, [group], head_dim**-0.5)
 
 
 def _proposal(r: _Round, n: int) -> Proposal:
