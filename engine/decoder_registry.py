@@ -208,7 +208,8 @@ def _goodput(name: str, untrimmed: bool = False) -> dict[str, dict]:
 
 
 def _hybrid_k1(variant: str, **hybrid) -> dict[str, dict]:
-    """A fixed hybrid: lookup drafts up to k, the trained drafter one token."""
+    """A fixed hybrid: lookup drafts up to k, the trained drafter one token (unless
+    ``drafter_max_tokens`` says more)."""
     section = {"drafter_max_tokens": 1, **hybrid}
     return {variant: {"method": "hybrid", "draft_policy": "fixed", "hybrid": section}}
 
@@ -366,6 +367,9 @@ register(
             **_hybrid_k1("hybrid-k1"),
             **_hybrid_k1("hybrid-k1-min2", lookup_min=2),
             **_hybrid_k1("hybrid-eagle3-k1", drafter="eagle3"),
+            # Two drafter tokens where verifying a row more is nearly free (8-bit activations).
+            **_hybrid_k1("hybrid-k2", drafter_max_tokens=2),
+            **_hybrid_k1("hybrid-eagle3-k2", drafter="eagle3", drafter_max_tokens=2),
             **_goodput("hybrid", untrimmed=True),
             "hybrid-goodput-k8": {
                 "method": "hybrid", "draft_policy": "goodput", "num_speculative_tokens": 8,

@@ -14,7 +14,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.decoders.eagle_tree import draft_tree
 from tests.decoder_checks import check_greedy_identity_batched_preempted_aborted
-from tests.tiny_models import save_eagle_drafter
+from tests.tiny_models import save_eagle_drafter, save_tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -27,6 +27,15 @@ def drafter_dir(tiny_model_dir, tmp_path_factory):
     # A sharper drafter than the default random one: its values differ enough between nodes
     # that the tree's shape is not a tie-break.
     return save_eagle_drafter(tiny_model_dir, tmp_path_factory.mktemp("eagle-tree") / "d")
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A Mistral-style target whose sliding window (8) is shorter than the prompt, and a
+    drafter over it: tree entries must see the window their positions give."""
+    root = tmp_path_factory.mktemp("eagle-tree-window")
+    model = save_tiny_model(root / "mistral", "mistral", sliding_window=8)
+    return model, save_eagle_drafter(model, root / "d")
 
 
 def tree_llm(model_dir, drafter, top_k=2, depth=3, **overrides) -> LLM:
@@ -64,8 +73,13 @@ def paths(proposal) -> list[list[int]]:
     return out
 
 
-def test_every_node_has_the_probability_its_own_path_gives(tiny_model_dir, drafter_dir):
-    llm = tree_llm(tiny_model_dir, drafter_dir)
+@pytest.mark.parametrize("target", ["llama", "sliding-window"])
+def test_every_node_has_the_probability_its_own_path_gives(target, tiny_model_dir, drafter_dir,
+                                                          request):  # fmt: skip
+    model_dir, drafter_path = (
+        (tiny_model_dir, drafter_dir) if target == "llama" else request.getfixturevalue("windowed")
+    )
+    llm = tree_llm(model_dir, drafter_path)
     engine, seq = decoding_sequence(llm, SamplingParams(temperature=0, max_tokens=16))
     drafter = engine.speculator.decoders["eagle"].drafter
     # Every node drafted: 3 children of the decode token, then at depths 2 and 3 three
