@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.attention import AttentionGroup, AttentionMetadata
+from engine.attention import AttentionGroup, AttentionMetadata, slots_for_positions
 from engine.decoders.base import Proposal
 from engine.rejection_sampler import position_row
 from engine.sampling import needs_processing, probabilities, process_logits
@@ -57,7 +57,6 @@ class TreeDrafter(Protocol):
     eos_token_ids: Collection[int]
     draft_vocab: torch.Tensor | None  # ascending; ``readout``'s columns
 
-    def entry(self, embeddings: torch.Tensor, features: torch.Tensor) -> tuple: ...
     def begin_round(self, seq: Sequence) -> None: ...
     def forward(self, seqs: list, drafts: dict, fresh: dict, compact: bool = False): ...
     def root_guess(self, seq: Sequence) -> torch.Tensor: ...
@@ -231,9 +230,8 @@ def _tree_attention(drafter: TreeDrafter, members) -> AttentionMetadata:
     for m, (r, ps) in enumerate(members):
         context, written = r.decode_position + 1, len(r.tree_owner)
         total = context + written
-        table = torch.tensor(r.seq.cache_state().block_table, dtype=torch.long)
-        positions = torch.arange(total)
-        slots = table[positions // block_size] * block_size + positions % block_size
+        slots = slots_for_positions(r.seq.cache_state().block_table, torch.arange(total),
+                                    block_size)  # fmt: skip
         kv_slots[m, :total] = slots
         slot_mapping += slots[total - len(ps) :].tolist()
         query_index[m] = row
