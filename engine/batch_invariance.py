@@ -152,7 +152,7 @@ def make_batch_invariant(model: nn.Module, max_rows: int, int8: bool = False) ->
     plans: dict[str, str | None] = {}  # layers of one shape share the check
     if int8 and int8_isas() == ["portable"]:
         log.warning(
-            "int8_activations: this CPU has no AVX-512 VNNI, so the 8-bit products run their "
+            "int8_activations: this CPU has neither AVX2 nor AVX-512 VNNI, so the 8-bit products run their "
             "portable reference path: the same numbers, several times slower than the exact "
             "products"
         )

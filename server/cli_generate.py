@@ -45,7 +45,7 @@ def add_model_arguments(p: argparse.ArgumentParser, decoder_choices: bool = True
         action="store_true",
         default=None,
         help="llama.cpp's CPU numerics (an opt-in): activations rounded to 8 bits before each "
-        "quantized weight's product, integer dot products; much faster on AVX-512 VNNI, a "
+        "quantized weight's product, integer dot products; much faster on AVX-512 VNNI or AVX2, a "
         "slightly different model; turns --batch-invariant on",
     )
     p.add_argument(

@@ -6,6 +6,7 @@ them, logprobs included."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -58,11 +59,42 @@ def test_product_is_the_exact_product_of_the_rounded_activations(fmt):
 
 
 @pytest.mark.skipif(not VECTOR, reason="no vector path for 8-bit activations on this CPU")
+@pytest.mark.parametrize("isa", VECTOR)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_vector_and_portable_paths_agree_bit_for_bit(fmt):
+def test_vector_and_portable_paths_agree_bit_for_bit(fmt, isa):
     w = _weight(fmt, seed=3)
     x = torch.randn(11, w.shape[1], generator=torch.Generator().manual_seed(2))
-    assert torch.equal(int8_product(VECTOR[0])(x, w), int8_product("portable")(x, w))
+    assert torch.equal(int8_product(isa)(x, w), int8_product("portable")(x, w))
+
+
+def _extreme_weight(fmt: str, code: int, rows: int = 16, cols: int = 256):
+    """Every weight of a Q8_0 / Q4_0 tensor at one code, scale 1: the largest byte products
+    the kernels' integer sums can meet (AVX2 adds byte products pairwise into 16 bits)."""
+    raw = random_blocks(fmt, rows, cols)
+    scale = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    raw = raw.reshape(-1, raw.shape[1] // (cols // 32), order="C").copy()
+    raw[:, 0:2] = scale
+    raw[:, 2:] = code
+    return read_stored(fmt, raw.reshape(rows, -1), rows)
+
+
+@pytest.mark.parametrize("isa", int8_isas())
+@pytest.mark.parametrize(
+    "fmt,code",
+    [("Q8_0", 0x80), ("Q8_0", 0x7F), ("Q4_0", 0xFF), ("Q4_0", 0x00)],
+    ids=["q8-minus128", "q8-plus127", "q4-all15", "q4-all0"],
+)
+def test_the_largest_byte_products_sum_exactly(fmt, code, isa):
+    """Weights at their extreme codes against activations at +-127 in every slot: the
+    integer sums (up to 32 * 128 * 127 a block) come out exact on every path, no 16-bit
+    pair sum saturating."""
+    w = _extreme_weight(fmt, code)
+    x = torch.ones(4, w.shape[1])
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # signs alternating inside each byte pair
+    x[3] = torch.where(torch.arange(w.shape[1]) % 3 == 0, -1.0, 1.0)
+    want = x.double() @ dequantize_torch(w).double().T  # +-1 rounds to codes +-127 exactly
+    assert torch.equal(int8_product(isa)(x, w).double(), want)
 
 
 @pytest.mark.parametrize("isa", int8_isas())
