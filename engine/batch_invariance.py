@@ -152,9 +152,9 @@ def make_batch_invariant(model: nn.Module, max_rows: int, int8: bool = False) ->
     plans: dict[str, str | None] = {}  # layers of one shape share the check
     if int8 and int8_isas() == ["portable"]:
         log.warning(
-            "int8_activations: this CPU has neither AVX2 nor AVX-512 VNNI, so the 8-bit products run their "
-            "portable reference path: the same numbers, several times slower than the exact "
-            "products"
+            "int8_activations: this CPU has neither AVX2 nor AVX-512 VNNI, so the 8-bit products "
+            "run their portable reference path: the same numbers, several times slower than the "
+            "exact products"
         )
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):

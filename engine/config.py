@@ -190,8 +190,8 @@ class EngineConfig(_Strict):
     batch_invariant: bool = False
     # llama.cpp's CPU numerics, an opt-in: each row of activations rounded to 8 bits in blocks
     # of 32 before a stored weight's product, which then runs on integer dot products (AVX-512
-    # VNNI or AVX2; a slow portable path elsewhere). A slightly different model from the exact float32
-    # one, and much faster where the exact products are bound by dequantizing; verification
+    # VNNI or AVX2; a slow portable path elsewhere). A slightly different model from the exact
+    # float32 one, and much faster where the exact products are bound by dequantizing; verification
     # rows cost little more than a decode row. Turns batch_invariant on: 8-bit rounding would
     # turn a last-bit difference between a decode and a verification pass into another code
     # (engine/models/int8_activations.py).
