@@ -122,6 +122,17 @@ def _along(points: dict[int, float], n: int) -> float | None:
     return points[lo] + slope * (n - lo)
 
 
+def _chain_sums(rates: list[float]) -> list[float]:
+    """Expected accepted drafts of a chain of 0 .. len(rates) drafts with these per-position
+    acceptances (a draft is judged only when every one before it stood)."""
+    sums, total, chain = [0.0], 0.0, 1.0
+    for rate in rates:
+        chain *= rate
+        total += chain
+        sums.append(total)
+    return sums
+
+
 @dataclass
 class StepTimings:
     """What the engine measured for the cost model: forward seconds by step size with every
@@ -301,31 +312,42 @@ class DecoderRecord:
         position's rate (PRIOR_ACCEPTANCE for the first): a deep position reached a few times
         must not read 100% and make long drafts look free. ``optimism``: that many standard
         errors higher (at most 1)."""
-        prior = PRIOR_ACCEPTANCE if position == 0 else self.acceptance(position - 1, optimism)
-        if position >= len(self.reached):
-            return prior
-        runs = self.reached[position] + PRIOR_RUNS
-        rate = (self.accepted[position] + PRIOR_RUNS * prior) / runs
-        return min(1.0, rate + optimism * (rate * (1 - rate) / runs) ** 0.5)
+        return self._acceptances(position + 1, optimism)[position]
+
+    def _acceptances(self, count: int, optimism: float) -> list[float]:
+        """``acceptance`` of positions 0 .. count - 1, in one pass along them (each reads the
+        one before it as its prior)."""
+        rates, prior = [], PRIOR_ACCEPTANCE
+        for position in range(count):
+            if position < len(self.reached):
+                runs = self.reached[position] + PRIOR_RUNS
+                rate = (self.accepted[position] + PRIOR_RUNS * prior) / runs
+                prior = min(1.0, rate + optimism * (rate * (1 - rate) / runs) ** 0.5)
+            rates.append(prior)
+        return rates
 
     def expected_accepted(self, k: int, optimism: float = 0.0) -> float:
         """Expected accepted drafts of a k-draft run: along the positions, or for a tree size
         that has run, that size's mean (``optimism``: that many standard errors higher)."""
-        if k in self.tree_runs:
-            return self._tree_expected(k, optimism)
-        return self._chain_expected(k, optimism)
+        return self.expected_by_length(k, optimism)[k]
 
-    def _chain_expected(self, k: int, optimism: float) -> float:
-        total, chain = 0.0, 1.0
-        for j in range(k):
-            chain *= self.acceptance(j, optimism)
-            total += chain
-        return total
+    def expected_by_length(self, cap: int, optimism: float = 0.0) -> list[float]:
+        """``expected_accepted`` of k = 0 .. cap, from one pass along the positions: the
+        policy weighs every length each step, and reading each one's positions anew (each
+        position reading the ones before it) was most of a choice's time."""
+        chains = _chain_sums(self._acceptances(cap, optimism))
+        if not self.tree_runs:
+            return chains
+        return [
+            self._tree_expected(k, optimism, chains[k]) if k in self.tree_runs else chains[k]
+            for k in range(cap + 1)
+        ]
 
-    def _tree_expected(self, k: int, optimism: float) -> float:
+    def _tree_expected(self, k: int, optimism: float, prior: float | None = None) -> float:
         # The pseudo-runs read with the same optimism, so that a few unlucky first runs pull
         # an optimistic estimate no lower than the positions' reading would have been.
-        prior = self._chain_expected(k, optimism)
+        if prior is None:
+            prior = _chain_sums(self._acceptances(k, optimism))[k]
         runs = self.tree_runs[k] + PRIOR_RUNS
         mean = (self.tree_accepted[k] + PRIOR_RUNS * prior) / runs
         square = (self.tree_squares[k] + PRIOR_RUNS * prior**2) / runs
@@ -388,6 +410,8 @@ class GoodputPolicy:
         forwards: dict[int, float] = {}  # k -> the forward pass's predicted seconds
         hopes: dict[int, float] = {}  # k -> tokens per second at optimistic acceptance
         too_long = False  # the next length's step is known to break max_step_stretch
+        expected_accepted = record.expected_by_length(cap)
+        hoped_accepted = record.expected_by_length(cap, OPTIMISM)
         for k in range(cap + 1):
             # Each of the 1 + k tokens attends to its sequence, drafts to their predecessors.
             keys = other_keys + (1 + k) * context + num_seqs * k * (k + 1) // 2
@@ -399,11 +423,11 @@ class GoodputPolicy:
                 if forward + drafting > self.max_step_stretch * rates[0][1]:
                     too_long = True  # and deeper lengths take longer still
                     break
-            expected = other_tokens + num_seqs * (1 + record.expected_accepted(k))
+            expected = other_tokens + num_seqs * (1 + expected_accepted[k])
             whole = forward + drafting + self.cost.overhead  # the step, start to end
             rates[k] = (expected / whole, forward + drafting)
             forwards[k] = forward
-            hoped = other_tokens + num_seqs * (1 + record.expected_accepted(k, OPTIMISM))
+            hoped = other_tokens + num_seqs * (1 + hoped_accepted[k])
             hopes[k] = hoped / whole
         best = max(rates, key=lambda k: rates[k][0]) if rates else 0
         record.plain_streak = 0 if best else record.plain_streak + 1

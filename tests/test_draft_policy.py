@@ -209,6 +209,49 @@ def test_acceptance_by_position_gives_the_expected_accepted_drafts():
     assert record.acceptance(2) == pytest.approx(record.acceptance(1))
 
 
+def _reference_expected(record: DecoderRecord, k: int, optimism: float) -> float:
+    """The expectations as the policy defines them, position by position from scratch."""
+
+    def acceptance(position: int) -> float:
+        prior = 0.5 if position == 0 else acceptance(position - 1)
+        if position >= len(record.reached):
+            return prior
+        runs = record.reached[position] + 2.0
+        rate = (record.accepted[position] + 2.0 * prior) / runs
+        return min(1.0, rate + optimism * (rate * (1 - rate) / runs) ** 0.5)
+
+    chain, total = 1.0, 0.0
+    for j in range(k):
+        chain *= acceptance(j)
+        total += chain
+    if k not in record.tree_runs:
+        return total
+    runs = record.tree_runs[k] + 2.0
+    mean = (record.tree_accepted[k] + 2.0 * total) / runs
+    square = (record.tree_squares[k] + 2.0 * total**2) / runs
+    spread = max(0.0, square - mean**2) ** 0.5
+    return min(float(k), mean + optimism * spread / runs**0.5)
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_every_length_s_expectation_in_one_pass_matches_reading_each_anew(trees):
+    # choose() weighs every length from one pass along the positions: the same numbers as
+    # reading each length's positions from scratch, optimistic or not, chains and trees.
+    draws = random.Random(3)
+    record = DecoderRecord()
+    for _ in range(80):
+        size = draws.randint(1, 5)
+        record.observe_run(size, draws.randint(0, size), tree=trees and draws.random() < 0.5)
+    for optimism in (0.0, 1.5):
+        together = record.expected_by_length(7, optimism)
+        assert len(together) == 8 and together[0] == 0.0
+        for k in range(8):
+            reference = _reference_expected(record, k, optimism)
+            assert together[k] == pytest.approx(reference, rel=1e-12, abs=1e-12)
+            assert record.expected_accepted(k, optimism) == pytest.approx(reference, rel=1e-12)
+    assert record.expected_by_length(7, 1.5)[5] > record.expected_by_length(7)[5]
+
+
 def test_a_position_reached_a_few_times_is_not_taken_as_certain():
     record = DecoderRecord()
     for _ in range(50):
