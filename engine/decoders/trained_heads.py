@@ -20,6 +20,7 @@ from engine.decoders.base import Proposal
 from engine.decoders.drafter_files import TrainedDrafter, drafter_projection
 from engine.models.llama import rms_norm_rows
 from engine.sampling import greedy_tokens
+from engine.target_features import held
 
 # Candidate paths kept in a tree ranking (more than any sensible k).
 MAX_TREE_NODES = 64
@@ -122,7 +123,7 @@ class TrainedHeadsDecoder:
 
     def observe_target_features(self, seq, first_position: int, features: torch.Tensor) -> None:
         # The heads read only the newest position: the one whose logits gave the last token.
-        self._hidden[seq] = features[-1].detach().clone()
+        self._hidden[seq] = held(features[-1])
 
     def plan(self, seqs, max_drafts) -> dict:
         return {s: min(len(self.tree), max_drafts[s]) for s in seqs if s in self._hidden}
