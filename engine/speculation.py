@@ -31,6 +31,7 @@ from engine.rejection_sampler import DraftRun, RejectionSampler
 from engine.sampling import SampledToken
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.target_features import HELD_STEP_ROWS
 from engine.token_tree import is_chain
 
 # Tokens a drafter may be behind beyond the drafts it is asked for (the accepted ones and the
@@ -430,16 +431,28 @@ class Speculator:
     def hand_out_features(self, hidden, scheduled, proposals, paths) -> None:
         """Give each feature-reading decoder the target's hidden states of the tokens that
         stand: the step's tokens, then the accepted drafts (a tree's along its path). ``hidden``
-        has a row per token of the step's forward items, in order."""
+        has a row per token of the step's forward items, in order.
+
+        A decoder may keep what it gets without copying it: a step's hidden states are new
+        tensors that nothing writes again, and a few rows of a long step come as a copy of
+        their own. Under the goodput policy most steps do not draft, and a copy a step of
+        each decode row was a third of what such a step spent handing features over."""
         row = 0
+        long_step = len(hidden.rows) > HELD_STEP_ROWS
         for s in scheduled:
             seq, n = s.seq, s.num_new_tokens
             drafts = len(proposals[seq].token_ids) if s.num_lookahead else 0
             decoder = self.decoder_of(seq)
             if decoder is not None and decoder.reads_target_hidden:
                 columns = hidden.of(decoder.feature_layers(self.model_layers))
-                rows = list(range(row, row + n)) + [row + n + node for node in paths.get(seq, [])]
-                features = columns[row : row + n] if len(rows) == n else columns[rows]
+                path = paths.get(seq)
+                if path:  # the accepted drafts' rows too: a copy of its own
+                    rows = list(range(row, row + n)) + [row + n + node for node in path]
+                    features = columns[rows]
+                else:
+                    features = columns if n == len(columns) else columns[row : row + n]
+                    if long_step and n < HELD_STEP_ROWS:
+                        features = features.clone()  # kept, it would keep the step's alive
                 decoder.observe_target_features(seq, seq.num_computed_tokens, features)
             row += n + drafts
 

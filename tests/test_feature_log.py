@@ -1,7 +1,8 @@
 """A sequence's feature log (engine/decoders/feature_log.py): decode steps' single rows are
 kept as they came and copied into the buffer only when the log is read or their count runs
 out; whatever the order of appends, drops and reads, the log reads exactly what a log that
-copied every row at once reads."""
+copied every row at once reads. The speculator hands a decode row over as it is, and as a copy
+of its own when it is a row of a long step."""
 
 from __future__ import annotations
 
@@ -11,7 +12,13 @@ import torch
 
 from engine import target_features
 from engine.decoders import feature_log
+from engine.decoders.base import Decoder
 from engine.decoders.feature_log import FeatureLog
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledSequence
+from engine.sequence import Sequence
+from engine.speculation import Speculator
+from engine.target_features import TargetFeatures
 
 
 class EagerLog:
@@ -74,14 +81,39 @@ def test_pending_rows_are_copied_in_once_their_count_runs_out(monkeypatch):
     assert torch.equal(log.features, torch.cat([torch.zeros(1, 2), *rows]))
 
 
-def test_a_row_of_a_long_step_is_copied_at_once():
-    # Keeping a view of one row of a long prefill would keep the whole step's tensor alive.
-    log = FeatureLog(0, torch.zeros(1, 4), lambda x: x)
-    step = torch.randn(target_features.HELD_STEP_ROWS + 1, 4)
-    log.append(step[-1:])
-    assert log._pending[0].untyped_storage().nbytes() == 4 * 4  # its own copy
-    step[-1] = 0
-    assert not torch.equal(log.features[-1], step[-1])
-    small = torch.randn(2, 4)
-    log.append(small[-1:])
-    assert log._pending[0].data_ptr() == small[-1:].data_ptr()  # a decode step's: kept as is
+class KeepingDecoder(Decoder):
+    """Keeps what each step hands it, as a drafter that logs features does."""
+
+    name = "keeping"
+    reads_target_hidden = True
+
+    def __init__(self):
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def observe_target_features(self, seq, first_position, features) -> None:
+        self.kept[seq.request_id] = features
+
+
+def handed_over(rows_in_step: int, decoding_rows: int = 1) -> dict[str, torch.Tensor]:
+    """One step of a decoding sequence and a prefill filling the rest of ``rows_in_step``."""
+    decoder = KeepingDecoder()
+    speculator = Speculator({"keeping": decoder}, "keeping", 4, None, [0], 4096)
+    decoding = Sequence("d", "d", [1, 2, 3], SamplingParams(), None)
+    prefill = Sequence("p", "p", list(range(rows_in_step)), SamplingParams(), None)
+    scheduled = [
+        ScheduledSequence(decoding, decoding_rows),
+        ScheduledSequence(prefill, rows_in_step - decoding_rows),
+    ]
+    hidden = TargetFeatures(torch.randn(rows_in_step, 4), (29,))
+    speculator.model_layers = 30
+    speculator.hand_out_features(hidden, scheduled, {}, {})
+    return decoder.kept
+
+
+def test_a_decode_row_is_handed_over_as_it_is_and_a_long_step_s_as_a_copy():
+    short = handed_over(8)
+    assert short["d"].untyped_storage().nbytes() == 8 * 4 * 4  # a view of the step's rows
+    long = handed_over(target_features.HELD_STEP_ROWS + 1)
+    # A kept view of one row would keep the whole step's alive: the row comes as a copy.
+    assert long["d"].untyped_storage().nbytes() == 1 * 4 * 4
+    assert long["p"].shape == (target_features.HELD_STEP_ROWS, 4)

@@ -84,7 +84,7 @@ def test_the_decoder_reads_the_hidden_state_of_each_sequences_newest_token(
         # Teacher forcing: the row of the position before the newest token gave that token.
         features = sequence_features(engine.model, [tokens])[0][len(tokens) - 2][None]
         arch = engine.model.arch
-        stored = rms_norm(decoder._hidden[seq][None], engine.model.final_norm, arch.rms_norm_eps)
+        stored = rms_norm(decoder._hidden[seq], engine.model.final_norm, arch.rms_norm_eps)
         torch.testing.assert_close(stored, features, atol=1e-4, rtol=1e-4)
 
 

@@ -17,8 +17,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.target_features import held
-
 if TYPE_CHECKING:
     from engine.sequence import Sequence
 
@@ -57,7 +55,7 @@ class FeatureLog:
 
     def append(self, features: torch.Tensor) -> None:
         if len(features) == 1 and len(self._pending) < PENDING_ROWS:
-            self._pending.append(held(features))  # a long step's row is copied now
+            self._pending.append(features)  # the step's own row (hand_out_features)
             return
         self._flush()
         self._copy_in(features)

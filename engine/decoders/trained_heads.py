@@ -20,7 +20,6 @@ from engine.decoders.base import Proposal
 from engine.decoders.drafter_files import TrainedDrafter, drafter_projection
 from engine.models.llama import rms_norm_rows
 from engine.sampling import greedy_tokens
-from engine.target_features import held
 
 # Candidate paths kept in a tree ranking (more than any sensible k).
 MAX_TREE_NODES = 64
@@ -123,14 +122,16 @@ class TrainedHeadsDecoder:
 
     def observe_target_features(self, seq, first_position: int, features: torch.Tensor) -> None:
         # The heads read only the newest position: the one whose logits gave the last token.
-        self._hidden[seq] = held(features[-1])
+        # Kept as handed over (a decode step's one row); of a prefill chunk's, the last row
+        # as a copy of its own, not to keep the chunk's alive.
+        self._hidden[seq] = features if len(features) == 1 else features[-1:].clone()
 
     def plan(self, seqs, max_drafts) -> dict:
         return {s: min(len(self.tree), max_drafts[s]) for s in seqs if s in self._hidden}
 
     def normed_features(self, seqs) -> torch.Tensor:
         """[B, d] the final-normed target hidden states the heads read."""
-        hidden = torch.stack([self._hidden[s] for s in seqs]).float()
+        hidden = torch.cat([self._hidden[s] for s in seqs]).float()
         return rms_norm_rows(hidden, self.model.final_norm.float(), self.model.arch.rms_norm_eps)
 
     def top_candidates(self, guesses: torch.Tensor, count: int | None = None) -> list[list[int]]:
