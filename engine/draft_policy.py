@@ -87,6 +87,13 @@ PLAIN_EXPLORE_FACTOR = 4
 # 0.977x / 0.979x -> 0.993x / 0.989x of plain, one right 46% 1.135x / 1.119x -> 1.131x / 1.114x.
 PLAIN_RETRIES = 32
 OPTIMISM = 1.5  # standard errors added to an acceptance when judging what to explore
+# A choice of 0 that no drafting length came within this share of (by the central estimates)
+# stands until the next exploring choice is due: without verified runs only the cost model's
+# level moves, which scales every length alike, so the step-by-step re-evaluation would find
+# the same. Each evaluation read cold code after the forward pass (a step streams the weights
+# past every cache): about 40 us of a plain step on a 2-core CPU, 1% of a 4 ms step.
+PLAIN_MARGIN = 0.95
+MAX_PLAIN_REPEATS = 16  # ... and at most this many (the level's drift stays small)
 CHANCE_BINS = 10  # a drafter's top-1 probabilities are calibrated per tenth
 CALIBRATION_PRIOR = 8.0  # pseudo-drafts per tenth, accepted at the probability itself
 
@@ -235,6 +242,8 @@ class DecoderRecord:
     choices: int = 0
     exploring_choices: int = 0
     plain_streak: int = 0  # choices of 0 in a row
+    # Choices of 0 that may follow the last one unevaluated (``GoodputPolicy.plain_repeats``).
+    plain_ahead: int = 0
     # Per tenth of the drafter's top-1 probability: verified drafts judged, and accepted
     # (decaying like the positions' counts).
     judged: list[float] = field(default_factory=lambda: [0.0] * CHANCE_BINS)
@@ -449,7 +458,38 @@ class GoodputPolicy:
             row = (forwards[best] - forwards[best - 1]) / num_seqs
             self.chance_floors[decoder] = max(0.0, row) * rates[best][0]
         self.chosen[decoder][best] += 1
+        clear_loss = best == 0 and not self.explore and self._clearly_plain(rates)
+        record.plain_ahead = self._choices_before_exploring(record) if clear_loss else 0
         return best
+
+    def plain_repeats(self, decoder: str) -> int:
+        """How many of ``decoder``'s next choices are sure to be 0 for the same sequences and
+        step shape: the last choice drafted nothing, no length came within PLAIN_MARGIN of
+        it, and no exploring choice falls due before then. The engine may skip evaluating
+        those (``repeat_plain``); the step shape is the caller's to check."""
+        return self.decoders[decoder].plain_ahead
+
+    def repeat_plain(self, decoder: str) -> None:
+        """Count a choice of 0 for ``decoder`` without evaluating it (see ``plain_repeats``)."""
+        record = self.decoders[decoder]
+        record.plain_ahead = max(0, record.plain_ahead - 1)
+        record.choices += 1
+        record.plain_streak += 1
+        self.explore = False
+        self.chance_floors[decoder] = None
+        self.chosen[decoder][0] += 1
+
+    @staticmethod
+    def _clearly_plain(rates: dict[int, tuple[float, float]]) -> bool:
+        drafting = [rate for k, (rate, _) in rates.items() if k > 0]
+        return bool(drafting) and max(drafting) < PLAIN_MARGIN * rates[0][0]
+
+    def _choices_before_exploring(self, record: DecoderRecord) -> int:
+        """Choices after this one and before the next that may explore. While the streak
+        lasts the interval only lengthens (fast retries end), so the next multiple of today's
+        interval comes no later than the real one."""
+        interval = self._explore_interval(record.plain_streak)
+        return min(MAX_PLAIN_REPEATS, interval - record.choices % interval - 1)
 
     def observe_chances(self, decoder: str, confidences: list[float], num_accepted: int) -> None:
         self.decoders[decoder].observe_chances(confidences, num_accepted)

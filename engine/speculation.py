@@ -124,6 +124,10 @@ class Speculator:
         # step's trimmed sequences' lengths before trimming.
         self.num_trimmed_drafts = 0
         self._drafted: dict[Sequence, int] = {}
+        # The draft sources whose choices of 0 ``plan`` repeats without evaluating them, and
+        # the decoding sequences (by id) they were chosen for.
+        self._plain_sources: list[str] = []
+        self._plain_shape: list[str] = []
 
     @property
     def reads_target_hidden(self) -> bool:
@@ -180,7 +184,17 @@ class Speculator:
     def plan(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Draft slots each decoding sequence asks for (the scheduler grants what it can)."""
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
+        shape = [s.seq_id for s in decoding]
+        if self._plain_sources and shape == self._plain_shape:
+            # The policy's last choices drafted nothing and are sure to stand for these
+            # sequences (``GoodputPolicy.plain_repeats``): count them, evaluate nothing.
+            for source in self._plain_sources:
+                self.policy.repeat_plain(source)
+            if any(self.policy.plain_repeats(s) == 0 for s in self._plain_sources):
+                self._plain_sources = []  # that source's next choice is evaluated: all are
+            return {}
         lookahead: dict[Sequence, int] = {}
+        chose: list[str] = []  # the draft sources the policy chose for
         for decoder, seqs in self._by_decoder(decoding).items():
             seqs = [s for s in seqs if self.gate.allows(s)]
             if not seqs:
@@ -192,6 +206,12 @@ class Speculator:
                 continue
             for source, group in _by_source(decoder, wants).items():
                 lookahead.update(self._chosen_lengths(source, group, decoding))
+                chose.append(source)
+        self._plain_shape = shape
+        repeats = [self.policy.plain_repeats(s) for s in chose] if self.policy else []
+        # Skipped only while every source's choice stands: the soonest one ends the run.
+        sure = not lookahead and chose and min(repeats) > 0
+        self._plain_sources = chose if sure else []
         return lookahead
 
     def _chosen_lengths(

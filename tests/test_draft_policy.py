@@ -656,3 +656,100 @@ def test_drafting_again_resets_the_fast_retries():
         policy.observe_run("d", 1, 0)
     assert policy.choose("d", num_seqs=1, cap=1) == 0
     assert policy._explore_interval(record.plain_streak) == fast
+
+
+def _choices(policy: GoodputPolicy, steps: int, repeat: bool) -> tuple[list, int]:
+    """Each step's (length, explore) for one sequence with cap 1; with ``repeat``, a choice
+    the policy says is sure to be 0 is counted unevaluated. Also: how many were evaluated."""
+    made, evaluated = [], 0
+    for _ in range(steps):
+        if repeat and policy.plain_repeats("d") > 0:
+            policy.repeat_plain("d")
+            made.append((0, policy.explore))
+        else:
+            evaluated += 1
+            made.append((policy.choose("d", num_seqs=1, cap=1), policy.explore))
+    return made, evaluated
+
+
+def test_a_clear_loss_s_plain_choices_stand_unevaluated_until_the_next_try():
+    # Drafting one loses by about 8% (right 40% of the time, a second row 41% of a step):
+    # repeating the choice of 0 without evaluating it, until a try falls due, makes the same
+    # choices and tries at the same steps as evaluating every one, for a fraction of the work.
+    def policy():
+        trained = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.4, cap=1)
+        trained.explore_every = 16
+        return trained
+
+    every, _ = _choices(policy(), 400, repeat=False)
+    repeated, evaluated = _choices(policy(), 400, repeat=True)
+    assert repeated == every
+    assert any(explore for _, explore in every)
+    assert evaluated < 400 // 3
+    counted = policy()
+    _choices(counted, 400, repeat=True)
+    assert dict(counted.chosen["d"]) == {0: 400}
+
+
+def test_a_near_break_even_is_evaluated_every_step():
+    # Right about half the time, drafting one comes within a few percent of plain decoding: a
+    # drift of the step costs could turn it, so every choice is evaluated.
+    policy = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.52, cap=1)
+    assert policy.choose("d", num_seqs=1, cap=1) == 0
+    assert policy.plain_repeats("d") == 0
+    drafting = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.9, cap=1)
+    assert drafting.choose("d", num_seqs=1, cap=1) == 1
+    assert drafting.plain_repeats("d") == 0
+    # Without tries due for long, a clear loss still re-evaluates every MAX_PLAIN_REPEATS.
+    from engine.draft_policy import MAX_PLAIN_REPEATS
+
+    losing = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.2, cap=1)
+    assert losing.choose("d", num_seqs=1, cap=1) == 0
+    assert losing.plain_repeats("d") == MAX_PLAIN_REPEATS
+
+
+def test_the_engine_repeats_sure_plain_choices_until_its_sequences_change(tiny_model_dir):
+    # Drafting is known to cost a second a token: every choice is a clear 0. The engine
+    # counts the sure repeats without asking the policy, until a second sequence joins the
+    # step, which is evaluated anew; the output stays greedy.
+    prompt, other = [5, 6, 7, 8, 9] * 6, [11, 12, 13] * 9 + [14]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(model=str(tiny_model_dir))
+    expected = [o.token_ids for o in plain.generate([prompt, other], greedy)]
+    decoder = {"method": "ngram", "prompt_lookup_min": 1, "draft_policy": "goodput",
+               "num_speculative_tokens": 3}  # fmt: skip
+    llm = LLM(model=str(tiny_model_dir), decoder=decoder)
+    policy = llm.engine.speculator.policy
+    policy.explore_every = 64  # tries every 16th choice at first: long runs of repeats
+    for k in range(1, 4):
+        for seqs in (1, 2):
+            policy.observe_draft("ngram", k, seqs, 1.0)
+    evaluated = []  # (step, decode rows) of each evaluated choice
+    choose = policy.choose
+
+    def counted(decoder, num_seqs, cap, **rest):
+        evaluated.append((steps, num_seqs + rest.get("other_tokens", 0)))
+        return choose(decoder, num_seqs, cap, **rest)
+
+    policy.choose = counted
+    engine = llm.engine
+    engine.add_request("a", prompt, greedy)
+    outputs: dict[str, list[int]] = {}
+    steps, first_of_b, repeats_left = 0, None, None
+    while engine.has_unfinished_requests():
+        # "b" arrives while several of "a"'s repeats are still to come.
+        arrives = "b" not in outputs and "b" not in engine.requests
+        if arrives and policy.plain_repeats("ngram") >= 6:
+            engine.add_request("b", other, greedy)
+            repeats_left = steps + policy.plain_repeats("ngram")
+        for out in engine.step():
+            outputs[out.request_id] = out.outputs[0].token_ids
+            if out.request_id == "b" and first_of_b is None:
+                first_of_b = steps  # its prefill's step
+        steps += 1
+    assert [outputs["a"], outputs["b"]] == expected
+    assert policy.chosen["ngram"][0] > 2 * len(evaluated)  # most were repeats
+    # From the step after its prefill "b" decodes beside "a": the first choice for the two
+    # is evaluated, before the repeats "a"'s last choice allowed would have run out.
+    step, rows = next((step, rows) for step, rows in evaluated if step > first_of_b)
+    assert rows == 2 and step < repeats_left
