@@ -128,6 +128,10 @@ class Speculator:
         # the decoding sequences (by id) they were chosen for.
         self._plain_sources: list[str] = []
         self._plain_shape: list[str] = []
+        # This step's feature readers (``_feature_readers``), and each decoder's layers.
+        self._readers_of: list[ScheduledSequence] | None = None
+        self._readers: list[Decoder | None] = []
+        self._decoder_layers: dict[Decoder, tuple[int, ...]] = {}
 
     @property
     def reads_target_hidden(self) -> bool:
@@ -137,22 +141,34 @@ class Speculator:
     def needs_target_hidden(self, scheduled: list[ScheduledSequence]) -> bool:
         """Whether a sequence of this step drafts with a decoder that reads the target's
         hidden states (they must see every step's, drafting or not)."""
-        return self.reads_target_hidden and any(
-            (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden for s in scheduled
-        )
+        return any(self._feature_readers(scheduled))
 
     def feature_layers(self, scheduled: list[ScheduledSequence]) -> tuple[int, ...]:
         """The target layers whose outputs this step's feature-reading decoders read."""
-        if not self.reads_target_hidden:
-            return ()
-        num_layers = self.model_layers
-        layers = {
-            layer
-            for s in scheduled
-            if (d := self.decoder_of(s.seq)) is not None and d.reads_target_hidden
-            for layer in d.feature_layers(num_layers)
-        }
+        readers = self._feature_readers(scheduled)
+        layers = {layer for d in readers if d is not None for layer in self._layers_of(d)}
         return tuple(sorted(layers))
+
+    def _feature_readers(self, scheduled: list[ScheduledSequence]) -> list[Decoder | None]:
+        """Per scheduled sequence, its decoder if that reads the target's hidden states (else
+        None); empty when none does. The engine asks three times a step (the layers to
+        capture, whether to hand them out, to whom): worked out once per step's list."""
+        if scheduled is not self._readers_of:
+            readers: list[Decoder | None] = []
+            if self.reads_target_hidden:
+                readers = [
+                    d if d is not None and d.reads_target_hidden else None
+                    for d in (self.decoder_of(s.seq) for s in scheduled)
+                ]
+            self._readers_of = scheduled
+            self._readers = readers if any(d is not None for d in readers) else []
+        return self._readers
+
+    def _layers_of(self, decoder: Decoder) -> tuple[int, ...]:
+        layers = self._decoder_layers.get(decoder)
+        if layers is None:  # fixed by the decoder's drafter and the target
+            layers = self._decoder_layers[decoder] = decoder.feature_layers(self.model_layers)
+        return layers
 
     def loaded_feature_layers(self) -> tuple[int, ...]:
         """The layers every loaded feature-reading decoder reads (CUDA graphs' capture)."""
@@ -305,6 +321,7 @@ class Speculator:
         """The step over ``items`` took ``seconds`` from its forward pass through sampling or
         verification (the policy's cost model: its tokens, the keys they attended to, and
         whether it verified drafts)."""
+        self._readers_of = None  # the step is over: its sequences are not held past it
         if self.policy is not None:
             tokens = sum(len(item.token_ids) for item in items)
             keys = sum(len(i.token_ids) * (i.num_cached + len(i.token_ids)) for i in items)
@@ -459,12 +476,12 @@ class Speculator:
         each decode row was a third of what such a step spent handing features over."""
         row = 0
         long_step = len(hidden.rows) > HELD_STEP_ROWS
-        for s in scheduled:
+        readers = self._feature_readers(scheduled)
+        for s, decoder in zip(scheduled, readers or [None] * len(scheduled), strict=True):
             seq, n = s.seq, s.num_new_tokens
             drafts = len(proposals[seq].token_ids) if s.num_lookahead else 0
-            decoder = self.decoder_of(seq)
-            if decoder is not None and decoder.reads_target_hidden:
-                columns = hidden.of(decoder.feature_layers(self.model_layers))
+            if decoder is not None:
+                columns = hidden.of(self._layers_of(decoder))
                 path = paths.get(seq)
                 if path:  # the accepted drafts' rows too: a copy of its own
                     rows = list(range(row, row + n)) + [row + n + node for node in path]
