@@ -2,17 +2,19 @@
 
     python -m tooling.bench.policy_simulation [--seeds 20] [--tokens 2000]
         [--noise 0.05,0.25,0.5] [--acceptance 0.3,0.46,0.65]
+        [--forward-ms 6.5,7.6,8.7,9.8,11.0] [--draft-ms 0.45] [--overhead-ms 0.4]
 
 On a real machine the policy and a fixed length are a few percent apart while repeats of one
 prompt scatter by tens of percent, so a bench cannot tell a policy that loses 3% from one that
 wins. Here the engine's own ``GoodputPolicy`` chooses every step of a simulated stream, whose
 costs and acceptance are known: the target's forward pass over n tokens takes ``FORWARD[n]``
-(the shape a 2-core CPU measured for SmolLM2-135M: 1 token 6.5 ms, each more about 1.1 ms)
-and ``KEY_SECONDS`` for each key its tokens attend to, drafting ``DRAFT_SECONDS`` a token,
-the rest of a step ``OVERHEAD``; each of these is scattered by a log-normal factor of spread
-``--noise`` per step (a noisy VM); a draft chain stands up to its first rejection, each draft
-right with the stretch's acceptance, which is redrawn every ``STRETCH`` tokens around
-``--acceptance`` (text is easier in some places than others).
+(the shape a 2-core CPU measured for SmolLM2-135M: 1 token 6.5 ms, each more about 1.1 ms;
+``--forward-ms`` gives another machine's, 1 to 5 tokens, as the bench prints them) and
+``KEY_SECONDS`` for each key its tokens attend to, drafting ``DRAFT_SECONDS`` a token, the rest
+of a step ``OVERHEAD`` (``--draft-ms``, ``--overhead-ms``); each of these is scattered by a
+log-normal factor of spread ``--noise`` per step (a noisy VM); a draft chain stands up to its
+first rejection, each draft right with the stretch's acceptance, which is redrawn every
+``STRETCH`` tokens around ``--acceptance`` (text is easier in some places than others).
 
 It prints, per noise and mean acceptance, tokens per simulated second of fixed k = 1 and 2 and
 of the policy (k <= 4) over plain decoding, and the share of the policy's steps that ran plain.
@@ -107,7 +109,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--noise", default="0.05,0.25,0.5", help="log-normal spreads of a step")
     parser.add_argument("--acceptance", default="0.3,0.46,0.65", help="mean acceptances")
+    parser.add_argument("--forward-ms", help="a forward pass over 1..5 tokens, comma-separated")
+    parser.add_argument("--draft-ms", type=float, help="a draft token")
+    parser.add_argument("--overhead-ms", type=float, help="a step outside forward and drafting")
     args = parser.parse_args(argv)
+    global FORWARD, DRAFT_SECONDS, OVERHEAD
+    if args.forward_ms:
+        times = [float(x) * 1e-3 for x in args.forward_ms.split(",")]
+        if len(times) != MAX_DRAFTS + 1:
+            parser.error(f"--forward-ms takes {MAX_DRAFTS + 1} times (1..{MAX_DRAFTS + 1} tokens)")
+        FORWARD = dict(enumerate(times, start=1))
+    if args.draft_ms is not None:
+        DRAFT_SECONDS = args.draft_ms * 1e-3
+    if args.overhead_ms is not None:
+        OVERHEAD = args.overhead_ms * 1e-3
     print("| noise | acceptance | k = 1 | k = 2 | goodput | goodput's plain steps |")
     print("|---|---|---|---|---|---|")
     for noise in (float(x) for x in args.noise.split(",")):
