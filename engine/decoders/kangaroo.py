@@ -230,20 +230,23 @@ class KangarooDrafter(ModelDrafter):
     def observe(self, seq: Sequence, first_position: int, features: torch.Tensor) -> None:
         # The adapter has read the positions before this for good; after a preemption none
         # (a read position of the old epoch would drop the recomputed prompt's rows).
-        self._logs.observe(seq, first_position, features, self._valid_read(seq))
-        adapter, state = self._adapter.get(seq), self._states.get(seq)
         cache = seq.cache_state()
+        self._logs.observe(seq, first_position, features, self._valid_read(seq, cache))
+        adapter, state = self._adapter.get(seq), self._states.get(seq)
         if adapter is not None and state is not None and adapter.cache_epoch == cache.epoch:
             # Entries up to the last round's decode token stand (the accepted drafts' are
             # recorded once the next round starts past them).
             written_to = min(adapter.read, state.start + 1, cache.num_cached)
-            adapter.unrecorded_from = self._written.record(
-                cache, adapter.unrecorded_from, written_to
-            )
+            size = self._written.block_size
+            if -(-adapter.unrecorded_from // size) < written_to // size:  # a block to record
+                adapter.unrecorded_from = self._written.record(
+                    cache, adapter.unrecorded_from, written_to
+                )
 
-    def _valid_read(self, seq: Sequence) -> int:
-        """Leading positions of ``seq`` whose adapter K/V are valid now (read-only)."""
-        cache = seq.cache_state()
+    def _valid_read(self, seq: Sequence, cache=None) -> int:
+        """Leading positions of ``seq`` whose adapter K/V are valid now (read-only);
+        ``cache``: its ``cache_state()`` if the caller has it."""
+        cache = seq.cache_state() if cache is None else cache
         adapter = self._adapter.get(seq)
         if adapter is None or adapter.cache_epoch != cache.epoch:
             read = 0  # new, or preempted since (its blocks were freed): nothing of it is read
