@@ -242,8 +242,10 @@ class DecoderRecord:
     choices: int = 0
     exploring_choices: int = 0
     plain_streak: int = 0  # choices of 0 in a row
-    # Choices of 0 that may follow the last one unevaluated (``GoodputPolicy.plain_repeats``).
+    # Choices of 0 that may follow the last one unevaluated, for steps of the shape it was
+    # made for (``GoodputPolicy.repeat_plain``).
     plain_ahead: int = 0
+    plain_shape: tuple = ()
     # Per tenth of the drafter's top-1 probability: verified drafts judged, and accepted
     # (decaying like the positions' counts).
     judged: list[float] = field(default_factory=lambda: [0.0] * CHANCE_BINS)
@@ -405,13 +407,14 @@ class GoodputPolicy:
         context: int = 0,
         other_tokens: int = 0,
         other_keys: int = 0,
+        shape: tuple = (),
     ) -> int:
         """The draft length for ``num_seqs`` sequences of ``decoder`` (at most ``cap``) holding
         ``context`` tokens in all, in a step with ``other_tokens`` more decode tokens (one
         token out each) attending to ``other_keys`` keys; sets ``explore`` when one of the
         sequences should draft one more. The others count: two drafts added to a step of 8
         sequences cost what 8 -> 10 rows cost, not 1 -> 3, and the step's output is theirs
-        too."""
+        too. ``shape``: the caller's key of this step for ``repeat_plain``."""
         self.ensure_calibrated()
         record = self.decoders[decoder]
         record.choices += 1
@@ -460,24 +463,25 @@ class GoodputPolicy:
         self.chosen[decoder][best] += 1
         clear_loss = best == 0 and not self.explore and self._clearly_plain(rates)
         record.plain_ahead = self._choices_before_exploring(record) if clear_loss else 0
+        record.plain_shape = shape
         return best
 
-    def plain_repeats(self, decoder: str) -> int:
-        """How many of ``decoder``'s next choices are sure to be 0 for the same sequences and
-        step shape: the last choice drafted nothing, no length came within PLAIN_MARGIN of
-        it, and no exploring choice falls due before then. The engine may skip evaluating
-        those (``repeat_plain``); the step shape is the caller's to check."""
-        return self.decoders[decoder].plain_ahead
-
-    def repeat_plain(self, decoder: str) -> None:
-        """Count a choice of 0 for ``decoder`` without evaluating it (see ``plain_repeats``)."""
+    def repeat_plain(self, decoder: str, shape: tuple = ()) -> bool:
+        """Count a choice of 0 for ``decoder`` without evaluating it, if one is sure to come
+        out: the last choice, for a step of the same ``shape`` (the caller's key of what
+        ``choose`` weighs: sequences, cap, other tokens), drafted nothing, no length came
+        within PLAIN_MARGIN of it, and no exploring choice falls due before this one. False:
+        evaluate it (``choose``)."""
         record = self.decoders[decoder]
-        record.plain_ahead = max(0, record.plain_ahead - 1)
+        if record.plain_ahead <= 0 or record.plain_shape != shape:
+            return False
+        record.plain_ahead -= 1
         record.choices += 1
         record.plain_streak += 1
         self.explore = False
         self.chance_floors[decoder] = None
         self.chosen[decoder][0] += 1
+        return True
 
     @staticmethod
     def _clearly_plain(rates: dict[int, tuple[float, float]]) -> bool:

@@ -124,10 +124,6 @@ class Speculator:
         # step's trimmed sequences' lengths before trimming.
         self.num_trimmed_drafts = 0
         self._drafted: dict[Sequence, int] = {}
-        # The draft sources whose choices of 0 ``plan`` repeats without evaluating them, and
-        # the decoding sequences (by id) they were chosen for.
-        self._plain_sources: list[str] = []
-        self._plain_shape: list[str] = []
         # This step's feature readers (``_feature_readers``), and each decoder's layers.
         self._readers_of: list[ScheduledSequence] | None = None
         self._readers: list[Decoder | None] = []
@@ -200,17 +196,7 @@ class Speculator:
     def plan(self, running: list[Sequence]) -> dict[Sequence, int]:
         """Draft slots each decoding sequence asks for (the scheduler grants what it can)."""
         decoding = [s for s in running if s.num_uncomputed_tokens == 1]
-        shape = [s.seq_id for s in decoding]
-        if self._plain_sources and shape == self._plain_shape:
-            # The policy's last choices drafted nothing and are sure to stand for these
-            # sequences (``GoodputPolicy.plain_repeats``): count them, evaluate nothing.
-            for source in self._plain_sources:
-                self.policy.repeat_plain(source)
-            if any(self.policy.plain_repeats(s) == 0 for s in self._plain_sources):
-                self._plain_sources = []  # that source's next choice is evaluated: all are
-            return {}
         lookahead: dict[Sequence, int] = {}
-        chose: list[str] = []  # the draft sources the policy chose for
         for decoder, seqs in self._by_decoder(decoding).items():
             seqs = [s for s in seqs if self.gate.allows(s)]
             if not seqs:
@@ -222,12 +208,6 @@ class Speculator:
                 continue
             for source, group in _by_source(decoder, wants).items():
                 lookahead.update(self._chosen_lengths(source, group, decoding))
-                chose.append(source)
-        self._plain_shape = shape
-        repeats = [self.policy.plain_repeats(s) for s in chose] if self.policy else []
-        # Skipped only while every source's choice stands: the soonest one ends the run.
-        sure = not lookahead and chose and min(repeats) > 0
-        self._plain_sources = chose if sure else []
         return lookahead
 
     def _chosen_lengths(
@@ -235,6 +215,9 @@ class Speculator:
     ) -> dict[Sequence, int]:
         """The policy's draft length for the sequences of one draft source."""
         others = [s for s in decoding if s not in wants]
+        shape = (len(wants), max(wants.values()), len(others))
+        if self.policy.repeat_plain(source, shape):
+            return {}  # its last choice of 0 stands (``GoodputPolicy.repeat_plain``)
         k = self.policy.choose(
             source,
             len(wants),
@@ -242,6 +225,7 @@ class Speculator:
             context=sum(s.num_tokens for s in wants),
             other_tokens=len(others),
             other_keys=sum(s.num_tokens for s in others),
+            shape=shape,
         )
         explorer = next(iter(wants)) if self.policy.explore else None
         self.predicted_step_seconds = self.policy.predicted_seconds or 0.0

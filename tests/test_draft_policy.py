@@ -324,6 +324,14 @@ def test_greedy_output_is_unchanged_with_the_policy(tiny_model_dir, method, opti
     expected = [o.token_ids for o in LLM(model=str(tiny_model_dir)).generate(prompts, greedy)]
     decoder = {"method": method, "draft_policy": "goodput", "num_speculative_tokens": 3, **options}
     llm = LLM(model=str(tiny_model_dir), decoder=decoder)
+    # Drafts start out right every time and verified rows cost nothing: the policy drafts
+    # all it may, whatever the machine's load makes of the tiny model's costs (on a busy
+    # machine it otherwise ran plain steps and one-draft tries, and never drafted a tree).
+    policy = llm.engine.speculator.policy
+    policy.ensure_calibrated()
+    policy.cost.calibrate(StepTimings(short=dict.fromkeys(range(1, 17), 0.01), context=16))
+    for _ in range(100):
+        policy.observe_run(method, 3, 3)
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
     assert llm.engine.speculator.stats_by_decoder[method].num_drafts > 0  # drafts were verified
     # A tree decoder's runs are kept by tree size for the policy; a chain's are not.
@@ -663,8 +671,7 @@ def _choices(policy: GoodputPolicy, steps: int, repeat: bool) -> tuple[list, int
     the policy says is sure to be 0 is counted unevaluated. Also: how many were evaluated."""
     made, evaluated = [], 0
     for _ in range(steps):
-        if repeat and policy.plain_repeats("d") > 0:
-            policy.repeat_plain("d")
+        if repeat and policy.repeat_plain("d"):
             made.append((0, policy.explore))
         else:
             evaluated += 1
@@ -696,16 +703,19 @@ def test_a_near_break_even_is_evaluated_every_step():
     # drift of the step costs could turn it, so every choice is evaluated.
     policy = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.52, cap=1)
     assert policy.choose("d", num_seqs=1, cap=1) == 0
-    assert policy.plain_repeats("d") == 0
+    assert not policy.repeat_plain("d")
     drafting = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.9, cap=1)
     assert drafting.choose("d", num_seqs=1, cap=1) == 1
-    assert drafting.plain_repeats("d") == 0
+    assert not drafting.repeat_plain("d")
     # Without tries due for long, a clear loss still re-evaluates every MAX_PLAIN_REPEATS.
     from engine.draft_policy import MAX_PLAIN_REPEATS
 
     losing = trained_policy(lambda n: 0.010 * n**0.5, 0.001, 0.2, cap=1)
-    assert losing.choose("d", num_seqs=1, cap=1) == 0
-    assert losing.plain_repeats("d") == MAX_PLAIN_REPEATS
+    assert losing.choose("d", num_seqs=1, cap=1, shape=(1, 1, 0)) == 0
+    assert not losing.repeat_plain("d", (2, 1, 0))  # another step's shape: evaluated
+    assert [losing.repeat_plain("d", (1, 1, 0)) for _ in range(MAX_PLAIN_REPEATS + 1)] == [
+        True
+    ] * MAX_PLAIN_REPEATS + [False]
 
 
 def test_the_engine_repeats_sure_plain_choices_until_its_sequences_change(tiny_model_dir):
@@ -739,9 +749,9 @@ def test_the_engine_repeats_sure_plain_choices_until_its_sequences_change(tiny_m
     while engine.has_unfinished_requests():
         # "b" arrives while several of "a"'s repeats are still to come.
         arrives = "b" not in outputs and "b" not in engine.requests
-        if arrives and policy.plain_repeats("ngram") >= 6:
+        if arrives and policy.decoders["ngram"].plain_ahead >= 6:
             engine.add_request("b", other, greedy)
-            repeats_left = steps + policy.plain_repeats("ngram")
+            repeats_left = steps + policy.decoders["ngram"].plain_ahead
         for out in engine.step():
             outputs[out.request_id] = out.outputs[0].token_ids
             if out.request_id == "b" and first_of_b is None:
