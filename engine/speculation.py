@@ -215,13 +215,13 @@ class Speculator:
     ) -> dict[Sequence, int]:
         """The policy's draft length for the sequences of one draft source."""
         others = [s for s in decoding if s not in wants]
-        shape = (len(wants), max(wants.values()), len(others))
+        shape = (len(wants), cap := max(wants.values()), len(others))
         if self.policy.repeat_plain(source, shape):
             return {}  # its last choice of 0 stands (``GoodputPolicy.repeat_plain``)
         k = self.policy.choose(
             source,
             len(wants),
-            max(wants.values()),
+            cap,
             context=sum(s.num_tokens for s in wants),
             other_tokens=len(others),
             other_keys=sum(s.num_tokens for s in others),
@@ -458,10 +458,12 @@ class Speculator:
         tensors that nothing writes again, and a few rows of a long step come as a copy of
         their own. Under the goodput policy most steps do not draft, and a copy a step of
         each decode row was a third of what such a step spent handing features over."""
+        readers = self._feature_readers(scheduled)
+        if not readers:
+            return
         row = 0
         long_step = len(hidden.rows) > HELD_STEP_ROWS
-        readers = self._feature_readers(scheduled)
-        for s, decoder in zip(scheduled, readers or [None] * len(scheduled), strict=True):
+        for s, decoder in zip(scheduled, readers, strict=True):
             seq, n = s.seq, s.num_new_tokens
             drafts = len(proposals[seq].token_ids) if s.num_lookahead else 0
             if decoder is not None:

@@ -237,11 +237,9 @@ class KangarooDrafter(ModelDrafter):
             # Entries up to the last round's decode token stand (the accepted drafts' are
             # recorded once the next round starts past them).
             written_to = min(adapter.read, state.start + 1, cache.num_cached)
-            size = self._written.block_size
-            if -(-adapter.unrecorded_from // size) < written_to // size:  # a block to record
-                adapter.unrecorded_from = self._written.record(
-                    cache, adapter.unrecorded_from, written_to
-                )
+            adapter.unrecorded_from = self._written.record(
+                cache, adapter.unrecorded_from, written_to
+            )
 
     def _valid_read(self, seq: Sequence, cache=None) -> int:
         """Leading positions of ``seq`` whose adapter K/V are valid now (read-only);

@@ -56,6 +56,8 @@ class WrittenBlocks:
         the sequence's next record starts (past the blocks recorded now: each is recorded
         once)."""
         first = -(-written_from // self.block_size)
+        if first >= written_to // self.block_size:  # no whole block inside: most steps
+            return max(written_from, first * self.block_size)
         blocks = cache.committed_blocks(first, written_to // self.block_size)
         self._content.update(blocks)
         return max(written_from, (first + len(blocks)) * self.block_size)
