@@ -78,6 +78,8 @@ _GROUPS: dict[str, dict[str, str]] = {
         # The goodput policy, driven step by step in a simulated machine.
         "GoodputPolicy": "engine.draft_policy",
         "StepTimings": "engine.draft_policy",
+        # Prompt lookup as ``ngram`` drafts, replayed beside a global suffix index.
+        "find_continuation": "engine.decoders.ngram",
     },
 }
 

@@ -32,7 +32,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.decoders.ngram import find_continuation
+from engine.toolkit import find_continuation
 
 END = -1  # between sequences in the index: no continuation crosses it
 K = 4  # drafts a step
