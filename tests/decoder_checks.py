@@ -80,6 +80,9 @@ def first_draft_after_a_prefix_hit(
         storage[:, :, slots] = noise[:, :, slots]
     else:
         storage.copy_(noise)
+    # The Python forward's logits are recorded: the C++ chain, which drafts the same tokens
+    # (tests/test_draft_chain.py), is set aside.
+    drafter.chain = None
     logits, forward = [], drafter.forward
 
     def recording(*args, **kwargs):
@@ -123,6 +126,7 @@ def first_draft_sharing_a_prefix(make_llm: Callable[..., LLM], name: str, togeth
         engine.step()
     engine.add_request("b", shared + [3, 4, 5], params)
     engine.step()  # B's prompt after the hit
+    drafter.chain = None  # the Python forward's rows are recorded (as above)
     b_rows, forward = [], drafter.forward
 
     def recording(seqs, chains, num_logits, *args, **kwargs):

@@ -33,6 +33,7 @@ from torch import nn
 
 from engine.attention import SequenceSlice, build_attention_metadata
 from engine.decoders.base import Proposal
+from engine.decoders.draft_chain import PROJECTED, DraftChainInCpp
 from engine.decoders.drafter_files import build_readout, drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
@@ -154,6 +155,19 @@ class EagleDrafter(ModelDrafter):
         self.stack = DecoderStack([self.layer]) if DecoderStack.usable([self.layer]) else None
         # Rows in the same order as the draft vocabulary.
         self.readout = build_readout(self.model, self.draft_vocab, quantization)
+        self.chain = (
+            DraftChainInCpp(self, PROJECTED, fc=self.fc, head=self.readout)
+            if DraftChainInCpp.applies_to(self, self.fc, self.readout) else None
+        )  # fmt: skip
+
+    def draft(self, seqs, num_drafts, prefixes=None) -> dict:
+        """A batch-1 greedy chain in one C++ call where it applies (``draft_chain``), else
+        ``ModelDrafter``'s loop: the same drafts either way."""
+        if self.chain is not None and not prefixes:
+            proposals = self.chain.draft(seqs, num_drafts)
+            if proposals is not None:
+                return proposals
+        return super().draft(seqs, num_drafts, prefixes)
 
     def attach(self, network: nn.Module, draft_vocab: torch.Tensor, target: TargetContext):
         """What every EAGLE drafter keeps of the target: its device, the draft vocabulary, a

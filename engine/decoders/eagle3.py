@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from engine.attention import paged_attention
+from engine.decoders.draft_chain import NORMED_PAIR, DraftChainInCpp
 from engine.decoders.drafter_files import drafter_projection
 from engine.decoders.drafter_loading import load_drafter
 from engine.decoders.drafting import ModelDrafter
@@ -164,6 +165,10 @@ class Eagle3Drafter(EagleDrafter):
         order = draft_vocab.argsort().to(network.lm_head.weight.device)
         head = drafter_projection(network.lm_head.weight[order], None, quantization, self.model)
         self.readout = _NormedHead(norm(network.norm), head, self.eps)
+        self.chain = (
+            DraftChainInCpp(self, NORMED_PAIR, head=head, head_norm=self.readout.norm)
+            if DraftChainInCpp.applies_to(self, None, head) else None
+        )  # fmt: skip
 
     def observe(self, seq, first_position: int, features: torch.Tensor) -> None:
         super().observe(seq, first_position, self.fc(features.to(self.device, self.model.dtype)))

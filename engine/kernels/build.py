@@ -42,11 +42,14 @@ SOURCES = [
         "layer_ops.cpp",
         "paged_attention.cpp",
         "decoder_stack.cpp",
+        "draft_chain.cpp",
         "attention_plan.cpp",
         "row_reductions.cpp",
     )
 ]
-HEADERS = [Path(__file__).with_name(name) for name in ("weight_rows.h", "vector_exp.h")]
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("weight_rows.h", "vector_exp.h", "decoder_stack.h")
+]
 # -fno-trapping-math: no kernel reads floating-point exception flags, and without it GCC will not
 # if-convert the compares in vector_exp.h, so the loops calling it stay scalar.
 FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-trapping-math"]

@@ -58,6 +58,30 @@ def _plan_weights(part: QuantizedLinear, isas: list[str]):
     return w.codes, w.scales, w.mins
 
 
+def projection_parts(projection: nn.Module) -> list[tuple] | None:
+    """A projection's stored parts as the C++ classes take them: (codes, scales, mins, bias,
+    row limits, kernel names) each, or None where one is not a stored weight."""
+    parts = _parts(projection)
+    if parts is None:
+        return None
+    out = []
+    for part in parts:
+        limits, isas = _kernel_plan(part)
+        out.append((*_plan_weights(part, isas), part.bias, limits, isas))
+    return out
+
+
+def add_layers(stack, layers: Sequence[nn.Module]) -> None:
+    """Give a C++ ``DecoderStack`` (or ``DraftChain``) these layers' weights and plans."""
+    for layer in layers:
+        # (a first layer without an input norm reads ``qkv_input``: the norm goes unused)
+        norm = layer.input_norm if layer.input_norm is not None else layer.post_attention_norm
+        index = stack.add_layer(norm, layer.post_attention_norm)
+        for slot, name in enumerate(_SLOTS):
+            for part in projection_parts(getattr(layer, name)):
+                stack.add_part(index, slot, *part)
+
+
 class DecoderStack:
     """The C++ stack for one model's layers, rebuilt when autotune changes a plan."""
 
@@ -91,20 +115,11 @@ class DecoderStack:
         )
 
     def _build(self):
-        first = self.layers[0]
-        arch = first.arch
+        arch = self.layers[0].arch
         stack = torch.classes.specserve.DecoderStack(
             arch.num_heads, arch.num_kv_heads, float(arch.rms_norm_eps)
         )
-        for layer in self.layers:
-            # (a first layer without an input norm reads ``qkv_input``: the norm goes unused)
-            norm = layer.input_norm if layer.input_norm is not None else layer.post_attention_norm
-            index = stack.add_layer(norm, layer.post_attention_norm)
-            for slot, name in enumerate(_SLOTS):
-                for part in _parts(getattr(layer, name)):
-                    limits, isas = _kernel_plan(part)
-                    codes, scales, mins = _plan_weights(part, isas)
-                    stack.add_part(index, slot, codes, scales, mins, part.bias, limits, isas)
+        add_layers(stack, self.layers)
         return stack
 
     def _flat_caches(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]):
