@@ -61,8 +61,15 @@ using RopeWriteKvFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
 using AttentionFn = void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                          const at::Tensor&, const std::optional<at::Tensor>&,
                          const std::optional<at::Tensor>&, double, at::Tensor&);
+using DequantizeRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, c10::string_view);
+using ChainPlanFn = std::vector<at::Tensor>(c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+                                            c10::IntArrayRef, int64_t, int64_t);
+using StatisticsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
+using ArgmaxFn = at::Tensor(const at::Tensor&);
 
-// The operators of the Python fused path, looked up once through the dispatcher.
+// The operators of the Python fused path (and of a drafting pass: draft_chain.cpp), looked up
+// once through the dispatcher.
 struct Ops {
   c10::TypedOperatorHandle<ProductFn> product;
   c10::TypedOperatorHandle<ProductFn> int8_product;  // plans naming "int8-<isa>"
@@ -71,6 +78,10 @@ struct Ops {
   c10::TypedOperatorHandle<SiluMulFn> silu_mul;
   c10::TypedOperatorHandle<RopeWriteKvFn> rope_write_kv;
   c10::TypedOperatorHandle<AttentionFn> attention;
+  c10::TypedOperatorHandle<DequantizeRowsFn> dequantize_rows;
+  c10::TypedOperatorHandle<ChainPlanFn> chain_plan;
+  c10::TypedOperatorHandle<StatisticsFn> softmax_statistics;
+  c10::TypedOperatorHandle<ArgmaxFn> row_argmax;
 
   static const Ops& get() {
     static const Ops ops = [] {
@@ -84,6 +95,10 @@ struct Ops {
           find("specserve::silu_mul").typed<SiluMulFn>(),
           find("specserve::rope_write_kv").typed<RopeWriteKvFn>(),
           find("specserve::cached_attention").typed<AttentionFn>(),
+          find("specserve::dequantize_rows").typed<DequantizeRowsFn>(),
+          find("specserve::chain_attention_plan").typed<ChainPlanFn>(),
+          find("specserve::softmax_statistics").typed<StatisticsFn>(),
+          find("specserve::row_argmax").typed<ArgmaxFn>(),
       };
     }();
     return ops;

@@ -34,35 +34,6 @@ using specserve_kernels::Ops;
 using specserve_kernels::Part;
 using specserve_kernels::Projection;
 
-using DequantizeRowsFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                    const at::Tensor&, c10::string_view);
-using ChainPlanFn = std::vector<at::Tensor>(c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-                                            c10::IntArrayRef, int64_t, int64_t);
-using StatisticsFn = std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&);
-using ArgmaxFn = at::Tensor(const at::Tensor&);
-
-// The operators a drafting pass adds to the layer's, looked up once.
-struct DraftOps {
-  c10::TypedOperatorHandle<DequantizeRowsFn> dequantize_rows;
-  c10::TypedOperatorHandle<ChainPlanFn> chain_plan;
-  c10::TypedOperatorHandle<StatisticsFn> softmax_statistics;
-  c10::TypedOperatorHandle<ArgmaxFn> row_argmax;
-
-  static const DraftOps& get() {
-    static const DraftOps ops = [] {
-      auto& d = c10::Dispatcher::singleton();
-      auto find = [&](const char* name) { return d.findSchemaOrThrow(name, ""); };
-      return DraftOps{
-          find("specserve::dequantize_rows").typed<DequantizeRowsFn>(),
-          find("specserve::chain_attention_plan").typed<ChainPlanFn>(),
-          find("specserve::softmax_statistics").typed<StatisticsFn>(),
-          find("specserve::row_argmax").typed<ArgmaxFn>(),
-      };
-    }();
-    return ops;
-  }
-};
-
 // How an entry's layer input is made from the token's embedding e and the feature f before it.
 enum Entry : int64_t {
   kNormedPair = 0,  // EAGLE-3: q/k/v read [norm(e); norm(f)], the residual is f
@@ -157,7 +128,6 @@ class DraftChain : public torch::CustomClassHolder {
                     features.size(0) == ids.size(0),
                 "one feature row per entry");
     const Ops& ops = Ops::get();
-    const DraftOps& dops = DraftOps::get();
     const int64_t table_length = int64_t(block_table.size());
     const int64_t* vocab = draft_vocab_.data_ptr<int64_t>();
     std::vector<int64_t> tokens;
@@ -168,7 +138,7 @@ class DraftChain : public torch::CustomClassHolder {
       const int64_t n = pass_ids.size(0);
       const at::Tensor embeddings = embed_isa_.empty()
           ? embed_codes_.index_select(0, pass_ids)  // a dense table
-          : dops.dequantize_rows.call(embed_codes_, embed_scales_, embed_mins_, pass_ids, embed_isa_);
+          : ops.dequantize_rows.call(embed_codes_, embed_scales_, embed_mins_, pass_ids, embed_isa_);
       at::Tensor hidden;
       std::optional<at::Tensor> qkv_input;
       if (entry_ == kNormedPair) {
@@ -179,7 +149,7 @@ class DraftChain : public torch::CustomClassHolder {
         hidden = DecoderStack::run(ops, fc_, at::cat({embeddings, feats}, 1), n);
       }
       const std::vector<at::Tensor> plan =
-          dops.chain_plan.call({position}, {n}, block_table, {table_length}, block_size_, -1);
+          ops.chain_plan.call({position}, {n}, block_table, {table_length}, block_size_, -1);
       // (slots, query index, kv slots, mask, valid, output rows); empty: none
       const std::optional<at::Tensor> mask =
           plan[3].numel() ? std::optional<at::Tensor>(plan[3]) : std::nullopt;
@@ -192,8 +162,8 @@ class DraftChain : public torch::CustomClassHolder {
       guess = hidden.narrow(0, n - 1, 1).clone();  // [1, d]
       const at::Tensor read = head_norm_.defined() ? ops.rms_norm.call(guess, head_norm_, eps_) : guess;
       const at::Tensor scores = DecoderStack::run(ops, head_, read, 1);
-      const auto [dists, top, entropy] = dops.softmax_statistics.call(scores);
-      const int64_t token = vocab[dops.row_argmax.call(scores).data_ptr<int64_t>()[0]];
+      const auto [dists, top, entropy] = ops.softmax_statistics.call(scores);
+      const int64_t token = vocab[ops.row_argmax.call(scores).data_ptr<int64_t>()[0]];
       tokens.push_back(token);
       tops.push_back(top.data_ptr<float>()[0]);
       entropies.push_back(entropy.data_ptr<float>()[0]);
