@@ -89,12 +89,15 @@ def test_search_measures_valid_skip_sets_with_greedy_identical_tokens(tuner):
 
 
 def test_search_is_reproducible_given_the_seed_up_to_tpe(tuner):
-    # The start-up trials are random draws from the seed; later ones follow the timings.
+    # The start-up trials (numbers 0-2 with 3 to measure) are random draws from the seed;
+    # a trial after them follows the timings (when a start-up draw skipped nothing and was
+    # pruned), so only the start-up ones are compared.
     def first_skip_sets(seed):
         result = tune_layerskip(tuner, 3, seed=seed, confirm_top=0, log=lambda _: None)
-        return {t.number: t.skip_set for t in result.trials}
+        return {t.number: t.skip_set for t in result.trials if t.number < 3}
 
-    assert first_skip_sets(7) == first_skip_sets(7)
+    first = first_skip_sets(7)
+    assert first and first == first_skip_sets(7)
 
 
 def test_no_draft_beating_autoregressive_is_reported_honestly(tuner):
