@@ -10,8 +10,9 @@ for the B sequences that want to draft, with
 
 - T(n, K): the target's forward time for a step of n tokens attending to K keys: the engine
   times decode-shaped steps of 1 to 128 tokens, and a few at a longer context, when the policy
-  is first needed (``calibrate``), and every step that runs rescales that model
-  (``StepCostModel``);
+  is first needed (``calibrate``), and every decode step that runs rescales that model
+  (``StepCostModel``; a step with a prompt's pass in it does not: other kernels, see
+  ``engine.speculation.decode_shaped``);
 - D(k, B): the decoder's drafting time when B sequences are granted k, learnt per decoder from
   its propose calls (a window that stops early is part of what k costs); for a B not seen, the
   time of the nearest larger B seen, or the largest smaller one scaled up by B (an estimate
