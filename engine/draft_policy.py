@@ -191,10 +191,13 @@ class StepCostModel:
             if n in timings.short and timings.long_context > timings.context
         ]
         self.key_seconds = max(0.0, sum(per_key) / len(per_key)) if per_key else 0.0
-        self.products = {
-            n: max(0.0, t - self.key_seconds * n * timings.context)
-            for n, t in timings.short.items()
-        }
+        self.products = {}
+        floor = 0.0
+        # A step of more tokens never costs less: a size timed in a fast spell must not make
+        # the sizes above it look cheaper (a drafted row free, or cheaper than none).
+        for n in sorted(timings.short):
+            floor = max(floor, timings.short[n] - self.key_seconds * n * timings.context, 0.0)
+            self.products[n] = floor
         self.scale = 1.0
 
     def _model(self, num_tokens: int, keys: int) -> float | None:

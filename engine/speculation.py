@@ -308,6 +308,12 @@ class Speculator:
         ``decode_shaped``."""
         self._readers_of = None  # the step is over: its sequences are not held past it
         if self.policy is not None:
+            # A step whose drafts were all trimmed runs plain, but after a drafter streamed its
+            # weights through the caches: its forward pass is a drafting step's, dearer than
+            # plain decoding's. Taken as plain, it raised the level that plain steps were
+            # priced at (medusa with 8-bit activations: 5.9 ms predicted for a plain step,
+            # 4.7 for one verifying a draft) and drafting looked cheaper than plain decoding.
+            drafted = drafted or self._step_draft_seconds > 0
             if decode_shaped(items):
                 tokens = sum(len(item.token_ids) for item in items)
                 keys = sum(len(i.token_ids) * (i.num_cached + len(i.token_ids)) for i in items)

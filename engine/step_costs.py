@@ -34,6 +34,13 @@ LONG_REPEATS = 4
 # slow that a 2-token step seemed 0.95-1.09x one token where it is 1.15-1.20x, and the policy
 # drafted at a loss; so one-token steps first run untimed for this long.
 WARM_UP_SECONDS = 0.2
+# The sizes a batch-1 stream drafts at decide whether a draft pays: their differences are a
+# tenth of a step. Timed back to back, twice each, one size's two repeats fell in the same
+# slow or fast spell of a noisy 2-core VM, and six calibrations of one engine read 2 tokens at
+# 1.04-1.23x one token (a row priced from nearly free to a fifth of a step). So the sizes are
+# timed in rounds, each size once a round, and the small ones in more rounds.
+SMALL_SIZES_UP_TO = 8
+SMALL_REPEATS = 6
 
 
 @dataclass
@@ -46,15 +53,24 @@ class _Scratch:
     num_computed_tokens: int = 0
 
 
-def _fastest(runner: ModelRunner, items: list[ForwardItem], repeats: int) -> float:
-    runner.run(items)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        logits = runner.run(items)
-        if logits.is_cuda:  # a GPU runs the pass after run() returns: time its end
-            torch.cuda.synchronize(logits.device)
-        best = min(best, time.perf_counter() - started)
+def _seconds(runner: ModelRunner, items: list[ForwardItem]) -> float:
+    started = time.perf_counter()
+    logits = runner.run(items)
+    if logits.is_cuda:  # a GPU runs the pass after run() returns: time its end
+        torch.cuda.synchronize(logits.device)
+    return time.perf_counter() - started
+
+
+def _fastest_in_rounds(runner: ModelRunner, steps: dict[int, list], repeats: dict[int, int]):
+    """The fastest time of each step (by size), each run once a round for its ``repeats``
+    rounds after one untimed run, so that a slow spell of the machine falls on all sizes."""
+    for items in steps.values():
+        runner.run(items)  # warm-up
+    best = dict.fromkeys(steps, float("inf"))
+    for round_ in range(max(repeats.values(), default=0)):
+        for n, items in steps.items():
+            if round_ < repeats[n]:
+                best[n] = min(best[n], _seconds(runner, items))
     return best
 
 
@@ -82,12 +98,13 @@ def _timings(
             block_manager.append_slots(seq, context + 1)
         if sizes and warm_up:  # see WARM_UP_SECONDS
             _run_for(runner, [ForwardItem([0], context, scratch[0].block_table, 1)], warm_up)
-        return {
-            n: _fastest(
-                runner, [ForwardItem([0], context, s.block_table, 1) for s in scratch[:n]], repeats
-            )  # fmt: skip
-            for n in sizes
+        steps = {
+            n: [ForwardItem([0], context, s.block_table, 1) for s in scratch[:n]] for n in sizes
         }
+        rounds = {
+            n: max(repeats, SMALL_REPEATS) if n <= SMALL_SIZES_UP_TO else repeats for n in sizes
+        }
+        return _fastest_in_rounds(runner, steps, rounds)
     finally:
         for seq in scratch:
             block_manager.free(seq)
@@ -102,7 +119,8 @@ def time_forward_steps(
 ) -> StepTimings:
     """The policy's calibration: step sizes up to ``max_tokens`` (of STEP_SIZES) at a short
     context, LONG_SIZES at LONG_CONTEXT keys (fewer where ``max_model_len`` is shorter); the
-    fastest of ``repeats`` (LONG_REPEATS far out) after a warm-up."""
+    fastest of ``repeats`` rounds (LONG_REPEATS far out, SMALL_REPEATS for the small sizes)
+    after a warm-up."""
     short_context = block_manager.block_size - 1
     long_context = min(LONG_CONTEXT, max_model_len - 1)  # the model's positions end there
     sizes = [n for n in STEP_SIZES if n <= max_tokens]

@@ -131,6 +131,43 @@ def test_step_costs_extend_past_what_was_measured():
     assert policy.cost.predict(8) == pytest.approx(0.048, rel=1e-3)
 
 
+def test_a_step_of_more_tokens_is_never_priced_below_a_smaller_one():
+    # Size 3 timed in a fast spell of the machine: read as it is, a 3-token step would look
+    # cheaper than one token, and two drafts cheaper than none.
+    timings = StepTimings({1: 0.010, 2: 0.011, 3: 0.009, 4: 0.013}, context=0)
+    policy = GoodputPolicy(calibrate=lambda: timings)
+    policy.ensure_calibrated()
+    assert policy.cost.predict(3) == pytest.approx(0.011)
+    assert policy.cost.predict(4) == pytest.approx(0.013)
+    assert policy.cost.predict(1) == pytest.approx(0.010)
+
+
+def test_the_sizes_are_timed_in_rounds_and_the_small_ones_more_often(tiny_model_dir, monkeypatch):
+    # Fault injection: the runner's steps slow down 5x for a stretch. Timed back to back, the
+    # sizes inside that stretch would read 5x dearer than the ones outside it; in rounds every
+    # size also runs outside it.
+    from engine import step_costs
+
+    engine = LLM(model=str(tiny_model_dir)).engine
+    runner = engine.runner
+    sizes: list[int] = []
+
+    def run(items, **options):
+        sizes.append(len(items))
+        slow = 20 <= len(sizes) < 60
+        time.sleep(0.005 if slow else 0.001)
+        return torch.zeros(len(items), 8)
+
+    monkeypatch.setattr(runner, "run", run)
+    monkeypatch.setattr(step_costs, "WARM_UP_SECONDS", 0.0)
+    timings = step_costs.time_forward_steps(runner, engine.block_manager, 16, engine.max_model_len)
+    assert max(timings.short.values()) < 0.004, timings.short
+    timed = [n for n in sizes if n in (1, 16)]
+    # one untimed run each, then 6 rounds of the small sizes and 2 of the large ones, and the
+    # long-context sizes (1 and 16 again) after them
+    assert timed.count(16) < timed.count(1)
+
+
 def test_drafts_over_long_contexts_cost_their_attention():
     # 1 ms per token at 10 keys each, 1 ms more per 100 keys a token attends to: a draft
     # costs 10% of a step at a short context and much more at a long one.

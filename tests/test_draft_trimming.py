@@ -121,6 +121,11 @@ def test_trimmed_drafts_leave_greedy_output_unchanged(tiny_model_dir, cut):
     policy.observe_run = lambda source, n, accepted, tree=False: (
         runs.append((n, accepted)), observe(source, n, accepted, tree)
     )
+    steps: list[tuple[int, bool]] = []
+    observe_step = policy.observe_step
+    policy.observe_step = lambda n, seconds, keys=0, drafted=False: (
+        steps.append((n, drafted)), observe_step(n, seconds, keys, drafted)
+    )
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == expected
     assert speculator.num_trimmed_drafts > 0
     stats = speculator.stats_by_decoder["draft"]
@@ -137,6 +142,11 @@ def test_trimmed_drafts_leave_greedy_output_unchanged(tiny_model_dir, cut):
     text = ServerMetrics("m", lambda: snapshot).render().decode()
     line = 'specserve:spec_decode_num_trimmed_draft_tokens_total{model_name="m"} '
     assert line + f"{float(speculator.num_trimmed_drafts)}" in text, text
+    if cut == "all":
+        # Every step drafted, so every decode step is priced as a drafting one, though none
+        # verified a draft: the drafter's pass came before its forward pass all the same.
+        # Only the last (each sequence's last token: no room for a draft) ran plain.
+        assert [drafted for _, drafted in steps] == [True] * (len(steps) - 1) + [False]
     if cut == "some":
         assert stats.num_drafts > 0
         assert sum(policy.decoders["draft"].judged) > 0  # verified drafts calibrate chances
