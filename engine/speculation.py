@@ -115,6 +115,7 @@ class Speculator:
         # plus forward time (seconds; 0 without a policy or before its first estimate).
         self.predicted_step_seconds = 0.0
         self.measured_step_seconds = 0.0
+        self._measured_step_drafted = False  # whether that step drafted
         self._step_draft_seconds = 0.0
         self._warm_decoders: set[str] = set()  # decoders whose drafting time is measured
         self.rejection_sampler = RejectionSampler(eos_token_ids)
@@ -319,6 +320,7 @@ class Speculator:
                 keys = sum(len(i.token_ids) * (i.num_cached + len(i.token_ids)) for i in items)
                 self.policy.observe_step(tokens, seconds, keys, drafted)
             self.measured_step_seconds = seconds + self._step_draft_seconds
+            self._measured_step_drafted = drafted
             self._step_draft_seconds = 0.0
 
     def observe_step_interval(self, seconds: float) -> None:
@@ -327,7 +329,7 @@ class Speculator:
         engine sat idle, waiting for requests) says nothing of it."""
         measured = self.measured_step_seconds
         if self.policy is not None and measured and seconds - measured <= IDLE_GAP_RATIO * measured:
-            self.policy.observe_overhead(seconds - measured)
+            self.policy.observe_overhead(seconds - measured, self._measured_step_drafted)
 
     def _max_drafts(self, seq: Sequence) -> int:
         k = self.num_speculative_tokens

@@ -557,6 +557,22 @@ def test_a_step_s_overhead_outside_the_forward_counts_for_drafting():
     assert policy.choose("d", num_seqs=1, cap=1) == 1
 
 
+def test_a_drafting_step_s_rest_is_priced_apart_from_a_plain_one_s():
+    # Plain steps' rest 0.2 ms, drafting ones' 0.5 ms (their bookkeeping). With one average of
+    # both, a stream that drafts every step prices plain steps at 0.5 ms too.
+    policy = trained_policy(lambda n: 0.005 + 0.0005 * (n - 1), 0.0005, acceptance=0.2, cap=1)
+    for _ in range(100):
+        policy.observe_overhead(0.0002)
+        policy.observe_overhead(0.0005, drafted=True)
+    assert policy.cost.overhead_of(False) == pytest.approx(0.0002, rel=1e-3)
+    assert policy.cost.overhead_of(True) == pytest.approx(0.0005, rel=1e-3)
+    # 1.2 tokens in 6.5 ms against 1 in 5.2: plain wins; priced alike (0.5 ms each), 1.2 /
+    # 6.5 against 1 / 5.5 ms: drafting would have looked a win.
+    assert policy.choose("d", num_seqs=1, cap=1) == 0
+    policy.cost.overhead = 0.0005
+    assert policy.choose("d", num_seqs=1, cap=1) == 1
+
+
 def test_the_engine_measures_the_loop_between_its_steps(tiny_model_dir):
     """From one step's start to the next, less the step's forward and drafting; the gap of an
     engine waiting for work is not counted."""
@@ -566,7 +582,7 @@ def test_the_engine_measures_the_loop_between_its_steps(tiny_model_dir):
     spec = llm.engine.speculator
     seen = []
     observe = spec.policy.observe_overhead
-    spec.policy.observe_overhead = lambda s: (seen.append(s), observe(s))
+    spec.policy.observe_overhead = lambda s, drafted=False: (seen.append(s), observe(s, drafted))
     llm.generate([list(range(20, 60))], SamplingParams(temperature=0, max_tokens=16))
     assert seen and all(0 <= s for s in seen)
     before = len(seen)

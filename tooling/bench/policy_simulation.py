@@ -84,7 +84,7 @@ def simulate(length: int | None, acceptance: float, noise: float, seed: int,
                 policy.observe_draft("drafter", k, 1, drafting)
                 policy.observe_run("drafter", k, accepted)
             policy.observe_step(1 + k, forward, keys, k > 0)
-            policy.observe_overhead(rest)
+            policy.observe_overhead(rest, k > 0)
         clock += drafting + forward + rest
         made, steps, plain = made + 1 + accepted, steps + 1, plain + (k == 0)
     return Outcome(made / clock, plain / steps)
