@@ -312,8 +312,8 @@ class Speculator:
             # A step whose drafts were all trimmed runs plain, but after a drafter streamed its
             # weights through the caches: its forward pass is a drafting step's, dearer than
             # plain decoding's. Taken as plain, it raised the level that plain steps were
-            # priced at (medusa with 8-bit activations: 5.9 ms predicted for a plain step,
-            # 4.7 for one verifying a draft) and drafting looked cheaper than plain decoding.
+            # priced at and lowered the drafted steps' ratio to it (medusa with 8-bit
+            # activations: 0.74), so drafting looked cheaper than it was.
             drafted = drafted or self._step_draft_seconds > 0
             if decode_shaped(items):
                 tokens = sum(len(item.token_ids) for item in items)
@@ -520,10 +520,10 @@ def decode_shaped(items: list[ForwardItem]) -> bool:
     none a prompt chunk. The policy prices decode steps, and a prompt's pass runs other
     kernels (attention over the prompt, products over a hundred rows) than the curve it
     calibrated: observed, it set the level that every decode step was priced at. While a
-    decoder drafted every step, its few plain steps were mostly prompts (kangaroo, chat:
-    the level at 1.33 where plain decode steps read 1.13), so a plain step looked a third
-    dearer than it was, drafting cheap, and the policy drafted every step at 0.92x where
-    plain steps made 1.0x."""
+    decoder drafted every step, its few plain steps were mostly prompts (kangaroo, chat: the
+    level read 1.33 in one run, 1.13 from decode steps alone in the next), so a plain step
+    looked dearer than it was, drafting cheap, and the policy drafted every step at 0.92x
+    where plain steps made 1.0x."""
     return all(item.num_logits == len(item.token_ids) for item in items)
 
 
