@@ -184,8 +184,9 @@ class StepCostModel:
     # policy mostly chose plain steps.
     overhead: float = 0.0
     # ... and of a step that drafted, apart (None: none seen yet, the plain one stands in):
-    # verifying adds its bookkeeping (the drafters' updates, the runs' statistics), 0.3 ms
-    # against a plain step's 0.2 with 8-bit activations on a 2-core CPU. One average of both
+    # verifying adds its bookkeeping (the drafters' updates, the runs' statistics): the
+    # bench's rest of a step 0.4-0.5 ms against a plain step's 0.2 with 8-bit activations on
+    # a 2-core CPU. One average of both
     # was a drafting step's while a stream drafted: plain steps were priced 0.1-0.3 ms dear,
     # and medusa (a draft right 20% of the time) drafted at 0.90x where plain made 1.0x.
     drafted_overhead: float | None = None
