@@ -364,6 +364,26 @@ def test_train_data_keeps_layers_from_the_command_line(tiny_chat_model_dir, tmp_
         assert [p.name for p in kept.iterdir()] == [p.name for p in shard_paths(tmp_path / split)]
 
 
+def test_a_set_does_not_go_on_in_other_numerics(tiny_chat_model_dir, tmp_path, capsys):
+    # 8-bit activations answer as another model: shards of both in one set would mix them.
+    import json
+
+    from tooling.cli import main
+
+    args = ["train", "data", "--model", str(tiny_chat_model_dir), "--tokens", "1",
+            "--output", str(tmp_path), "--shard-requests", "2", "--max-tokens", "4",
+            "--follow-up-max-tokens", "2", "--batch", "4"]  # fmt: skip
+    assert main(args) == 0
+    assert "numerics" not in json.loads((tmp_path / "recipe.json").read_text())  # float32
+    capsys.readouterr()
+    assert main([*args, "--int8-activations"]) == 2
+    assert "another recipe (differs in numerics)" in capsys.readouterr().err
+    assert main([*args, "--output", str(tmp_path / "int8"), "--int8-activations"]) == 0
+    recipe = json.loads((tmp_path / "int8" / "recipe.json").read_text())
+    assert recipe["numerics"] == {"int8_activations": True}
+    assert main(args) == 0  # the float32 set goes on as before
+
+
 def test_a_resumed_builds_rate_counts_only_its_own_tokens():
     import io
     import time

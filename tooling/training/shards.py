@@ -53,6 +53,10 @@ class Recipe:
     # Where the requests come from: None, specserve's own generator (prompt_mix); else a
     # user's conversations file (its name, sha256 and how many conversations it holds).
     source: dict | None = None
+    # The target's numerics where they make another model than the exact float32 one
+    # (``numerics_of``); None: float32. Answers in 8-bit activations or bfloat16 are another
+    # model's, so a set must not go on in other numerics than it began in.
+    numerics: dict | None = None
 
     def temperature(self, answer: int) -> float:
         if answer == 0:
@@ -402,9 +406,23 @@ def default_root(model_dir: Path, conversations: Path | None = None) -> Path:
     return base.with_name(f"{base.name}-{Path(conversations).stem}-{digest}")
 
 
+def numerics_of(config) -> dict | None:
+    """What of an engine config changes the model that answers (None: exact float32).
+    Batch invariance and the device change at most last bits: left out, so a set begun on
+    one machine can go on on another."""
+    numerics = {}
+    if config.int8_activations:
+        numerics["int8_activations"] = True
+    if config.dtype != "float32":
+        numerics["dtype"] = config.dtype
+    return numerics or None
+
+
 def recipe_for(llm, **options) -> Recipe:
-    """A recipe for ``llm``'s model (its shape and directory name identify it)."""
+    """A recipe for ``llm``'s model (its shape and directory name identify it) in the
+    numerics it runs in."""
     from engine.toolkit import target_signature
 
     name = Path(str(llm.model_dir)).name
-    return Recipe(target=target_signature(llm.engine.model) | {"model": name}, **options)
+    target = target_signature(llm.engine.model) | {"model": name}
+    return Recipe(target=target, numerics=numerics_of(llm.config), **options)
