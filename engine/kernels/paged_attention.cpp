@@ -117,17 +117,14 @@ template <typename V, int N>
 __attribute__((always_inline)) inline void score_keys(const float* q, int64_t group,
                                                       const float* k_cache, const int64_t* slots,
                                                       int64_t kv_heads, int64_t kvh, int64_t L,
-                                                      float scale,
-                                                      float* scores) {
+                                                      float scale, float* scores) {
   constexpr int W = lanes<V>(), D = W * N;
   for (int64_t l0 = 0; l0 < L; l0 += W) {
     const int64_t n = std::min<int64_t>(W, L - l0);
     for (int64_t i = l0 + 16; i < std::min<int64_t>(L, l0 + 16 + W); ++i)
       prefetch_row<D / 16>(k_cache + (slots[i] * kv_heads + kvh) * D);
     const float* rows[W];
-    for (int i = 0; i < W; ++i) {
-      rows[i] = k_cache + (slots[l0 + (i < n ? i : 0)] * kv_heads + kvh) * D;
-    }
+    for (int i = 0; i < W; ++i) rows[i] = k_cache + (slots[l0 + (i < n ? i : 0)] * kv_heads + kvh) * D;
     for (int64_t h = 0; h < group; ++h) {
       V qv[N];
       for (int c = 0; c < N; ++c) qv[c] = load<V>(q + h * D + W * c);
